@@ -1,0 +1,22 @@
+// The CUDA backend as the runtime sees it. Implemented in src/cuda/ (compiled only with nvcc);
+// the runtime calls these only when FP4MOE_WITH_CUDA is defined.
+#pragma once
+#include <memory>
+
+#include "runtime/prepared.h"
+
+namespace fp4moe::cuda_backend {
+
+// Lays the canonical weights out for the kernels and uploads them to w.device_id.
+std::shared_ptr<void> prepare_device_weights(const PreparedWeights& w);
+// Uploads an adapter's canonical matrices (for the registry's device copy).
+std::shared_ptr<void> prepare_device_adapter(const PreparedAdapter& a, int device_id);
+// Runs the operator. Arguments are already validated by the runtime (src/runtime/validate.h);
+// tensors are on device w.device_id.
+void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& adapters);
+// Reads and clears the device error flag of device_id; throws DeviceFault when it was set.
+void check_device_errors(int device_id);
+// Number of CUDA devices visible (0 when none or no driver).
+int device_count();
+
+}  // namespace fp4moe::cuda_backend

@@ -1,0 +1,179 @@
+// SPEC §6: every bad argument raises an error naming it, and the output is left untouched.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "fp4moe/fp4moe.h"
+#include "fp4moe/synthetic.h"
+
+using namespace fp4moe;
+
+namespace {
+
+constexpr ModelShape kSmall = {"small", 64, 32, 4, 2, RoutingMethod::Renormalize, 1, 1, 1.f,
+                               ActivationType::Swiglu, 1.f, 0.f, 0.f, 4};
+constexpr uint16_t kPoison = 0x7fc1;  // a NaN payload no computation produces
+
+struct Fixture {
+  int64_t T = 5, H = kSmall.H, E = kSmall.E, k = kSmall.k;
+  SyntheticLayer layer = make_synthetic_layer(kSmall, 0, 11);
+  MoeWeights w = prepare_weights(layer.desc(), Backend::CPU);
+  std::vector<uint16_t> x = random_bf16(T * H, 1);
+  std::vector<float> logits = random_f32(T * E, 2);
+  std::vector<uint16_t> y = std::vector<uint16_t>(T * H, kPoison);
+  std::vector<int32_t> ids = std::vector<int32_t>(T, -1);
+  std::vector<float> alpha = std::vector<float>(E, 1.f);
+  MoeArgs args() {
+    MoeArgs a;
+    a.x = make_view(x.data(), DType::BF16, {T, H});
+    a.routing.method = RoutingMethod::Renormalize;
+    a.routing.top_k = k;
+    a.routing.logits = make_view(logits.data(), DType::F32, {T, E});
+    a.activation.type = ActivationType::Swiglu;
+    a.y = make_view(y.data(), DType::BF16, {T, H});
+    return a;
+  }
+  bool untouched() const {
+    for (uint16_t v : y)
+      if (v != kPoison) return false;
+    return true;
+  }
+};
+
+struct BadCase {
+  const char* name;
+  std::string argument;  // expected Error::argument()
+  ErrorCode code;
+  std::function<void(Fixture&, MoeArgs&)> mutate;
+};
+
+std::vector<int32_t> g_bad_ids;
+std::vector<float> g_bad_w;
+std::vector<uint16_t> g_bf16_buf(5 * 2 * 64, 0);
+std::vector<float> g_f32_buf(4096, 1.f);
+
+std::vector<BadCase> cases() {
+  return {
+      {"x_absent", "x", ErrorCode::InvalidArgument, [](Fixture&, MoeArgs& a) { a.x = TensorView{}; }},
+      {"x_wrong_dtype", "x", ErrorCode::InvalidArgument, [](Fixture&, MoeArgs& a) { a.x.dtype = DType::F32; }},
+      {"x_wrong_hidden", "x", ErrorCode::InvalidArgument, [](Fixture&, MoeArgs& a) { a.x.shape[1] = 48; a.x.stride[0] = 48; }},
+      {"x_1d", "x", ErrorCode::InvalidArgument, [](Fixture&, MoeArgs& a) { a.x.ndim = 1; }},
+      {"x_strided", "x", ErrorCode::InvalidArgument, [](Fixture&, MoeArgs& a) { a.x.stride[1] = 2; }},
+      {"x_on_cuda", "x", ErrorCode::InvalidArgument, [](Fixture&, MoeArgs& a) { a.x.device = Backend::CUDA; }},
+      {"y_absent", "y", ErrorCode::InvalidArgument, [](Fixture&, MoeArgs& a) { a.y = TensorView{}; }},
+      {"y_wrong_dtype", "y", ErrorCode::InvalidArgument, [](Fixture&, MoeArgs& a) { a.y.dtype = DType::I32; }},
+      {"y_wrong_rows", "y", ErrorCode::InvalidArgument, [](Fixture&, MoeArgs& a) { a.y.shape[0] = 4; }},
+      {"y_aliases_x", "y", ErrorCode::InvalidArgument, [](Fixture& f, MoeArgs& a) {
+         // y is checked untouched through f.y, so alias the other way round: x points into y.
+         a.x.data = f.y.data();
+       }},
+      {"top_k_zero", "routing.top_k", ErrorCode::InvalidArgument, [](Fixture&, MoeArgs& a) { a.routing.top_k = 0; }},
+      {"top_k_above_E", "routing.top_k", ErrorCode::InvalidArgument, [](Fixture&, MoeArgs& a) { a.routing.top_k = 5; }},
+      {"logits_absent", "routing.logits", ErrorCode::InvalidArgument, [](Fixture&, MoeArgs& a) { a.routing.logits = TensorView{}; }},
+      {"logits_wrong_width", "routing.logits", ErrorCode::InvalidArgument, [](Fixture&, MoeArgs& a) { a.routing.logits.shape[1] = 3; a.routing.logits.stride[0] = 3; }},
+      {"logits_int", "routing.logits", ErrorCode::InvalidArgument, [](Fixture&, MoeArgs& a) { a.routing.logits.dtype = DType::I32; }},
+      {"method_out_of_range", "routing.method", ErrorCode::InvalidArgument, [](Fixture&, MoeArgs& a) { a.routing.method = static_cast<RoutingMethod>(42); }},
+      {"llama4_k2", "routing.top_k", ErrorCode::InvalidArgument, [](Fixture&, MoeArgs& a) { a.routing.method = RoutingMethod::Llama4; }},
+      {"n_group_not_dividing", "routing.n_group", ErrorCode::InvalidArgument, [](Fixture&, MoeArgs& a) { a.routing.method = RoutingMethod::DeepSeekV3; a.routing.n_group = 3; }},
+      {"bias_wrong_len", "routing.bias", ErrorCode::InvalidArgument, [](Fixture&, MoeArgs& a) { a.routing.bias = make_view(g_f32_buf.data(), DType::F32, {3}); }},
+      {"scaling_nan", "routing.routed_scaling_factor", ErrorCode::InvalidArgument, [](Fixture&, MoeArgs& a) { a.routing.routed_scaling_factor = std::numeric_limits<float>::quiet_NaN(); }},
+      {"ids_and_logits", "routing.logits", ErrorCode::InvalidArgument, [](Fixture& f, MoeArgs& a) {
+         g_bad_ids.assign(f.T * f.k, 0); g_bad_w.assign(f.T * f.k, 0.5f);
+         a.routing.topk_ids = make_view(g_bad_ids.data(), DType::I32, {f.T, f.k});
+         a.routing.topk_weights = make_view(g_bad_w.data(), DType::F32, {f.T, f.k});
+       }},
+      {"ids_out_of_range", "routing.topk_ids", ErrorCode::InvalidArgument, [](Fixture& f, MoeArgs& a) {
+         g_bad_ids.assign(f.T * f.k, 1); g_bad_ids[3] = 4; g_bad_w.assign(f.T * f.k, 0.5f);
+         a.routing.logits = TensorView{};
+         a.routing.topk_ids = make_view(g_bad_ids.data(), DType::I32, {f.T, f.k});
+         a.routing.topk_weights = make_view(g_bad_w.data(), DType::F32, {f.T, f.k});
+       }},
+      {"ids_negative", "routing.topk_ids", ErrorCode::InvalidArgument, [](Fixture& f, MoeArgs& a) {
+         g_bad_ids.assign(f.T * f.k, 1); g_bad_ids[0] = -1; g_bad_w.assign(f.T * f.k, 0.5f);
+         a.routing.logits = TensorView{};
+         a.routing.topk_ids = make_view(g_bad_ids.data(), DType::I32, {f.T, f.k});
+         a.routing.topk_weights = make_view(g_bad_w.data(), DType::F32, {f.T, f.k});
+       }},
+      {"weights_without_ids", "routing.topk_ids", ErrorCode::InvalidArgument, [](Fixture& f, MoeArgs& a) {
+         g_bad_w.assign(f.T * f.k, 0.5f);
+         a.routing.logits = TensorView{};
+         a.routing.topk_weights = make_view(g_bad_w.data(), DType::F32, {f.T, f.k});
+       }},
+      {"total_experts_too_small", "num_experts_total", ErrorCode::InvalidArgument, [](Fixture&, MoeArgs& a) { a.num_experts_total = 2; }},
+      {"window_outside", "local_expert_offset", ErrorCode::InvalidArgument, [](Fixture&, MoeArgs& a) { a.num_experts_total = 4; a.local_expert_offset = 1; }},
+      {"non_gated_activation", "activation.type", ErrorCode::InvalidArgument, [](Fixture&, MoeArgs& a) { a.activation.type = ActivationType::Relu; }},
+      {"activation_out_of_range", "activation.type", ErrorCode::InvalidArgument, [](Fixture&, MoeArgs& a) { a.activation.type = static_cast<ActivationType>(11); }},
+      {"alpha_wrong_len", "activation.alpha", ErrorCode::InvalidArgument, [](Fixture&, MoeArgs& a) { a.activation.alpha = make_view(g_f32_buf.data(), DType::F32, {3}); }},
+      {"situ_alpha_nonpositive", "activation.alpha", ErrorCode::InvalidArgument, [](Fixture& f, MoeArgs& a) {
+         f.alpha[2] = 0.f; a.activation.type = ActivationType::Situ;
+         a.activation.alpha = make_view(f.alpha.data(), DType::F32, {f.E});
+       }},
+      {"clamp_nan", "activation.clamp_limit", ErrorCode::InvalidArgument, [](Fixture& f, MoeArgs& a) {
+         f.alpha[1] = std::numeric_limits<float>::quiet_NaN();
+         a.activation.clamp_limit = make_view(f.alpha.data(), DType::F32, {f.E});
+       }},
+      {"a4_without_scale", "fc1_input_scale", ErrorCode::InvalidArgument, [](Fixture&, MoeArgs& a) { a.mode = ActMode::A4; a.fc2_input_scale = 1.f; }},
+      {"a4_fc2_inf", "fc2_input_scale", ErrorCode::InvalidArgument, [](Fixture&, MoeArgs& a) { a.mode = ActMode::A4; a.fc1_input_scale = 1.f; a.fc2_input_scale = std::numeric_limits<float>::infinity(); }},
+      {"adapter_ids_without_registry", "adapter_ids", ErrorCode::InvalidArgument, [](Fixture& f, MoeArgs& a) { a.adapter_ids = make_view(f.ids.data(), DType::I32, {f.T}); }},
+      {"delta_wrong_shape", "gate_up_lora_delta", ErrorCode::InvalidArgument, [](Fixture& f, MoeArgs& a) { a.gate_up_lora_delta = make_view(g_bf16_buf.data(), DType::BF16, {f.T, f.k, 32}); }},
+      {"activation_out_wrong_dtype", "activation_out", ErrorCode::InvalidArgument, [](Fixture& f, MoeArgs& a) { a.activation_out = make_view(g_f32_buf.data(), DType::F32, {f.T, f.k, 32}); }},
+      {"activation_out_aliases_y", "activation_out", ErrorCode::InvalidArgument, [](Fixture& f, MoeArgs& a) { a.activation_out = make_view(f.y.data(), DType::BF16, {1, 1, 32}); a.activation_out.shape[0] = f.T; a.activation_out.shape[1] = f.k; a.activation_out.stride[1] = 32; a.activation_out.stride[0] = f.k * 32; }},
+      {"fp64_precision_bad_value", "precision", ErrorCode::InvalidArgument, [](Fixture&, MoeArgs& a) { a.precision = static_cast<Precision>(7); }},
+      {"negative_threads", "num_threads", ErrorCode::InvalidArgument, [](Fixture&, MoeArgs& a) { a.num_threads = -1; }},
+      {"workspace_on_cpu", "workspace", ErrorCode::InvalidArgument, [](Fixture&, MoeArgs& a) { a.workspace = make_view(g_bf16_buf.data(), DType::U8, {16}); }},
+  };
+}
+
+class BadInput : public ::testing::TestWithParam<size_t> {};
+
+TEST_P(BadInput, RaisesNamingTheArgumentAndLeavesOutputUntouched) {
+  const BadCase c = cases()[GetParam()];
+  Fixture f;
+  MoeArgs a = f.args();
+  c.mutate(f, a);
+  try {
+    moe_run(f.w, a);
+    FAIL() << c.name << ": no error raised";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.argument(), c.argument) << c.name << ": " << e.what();
+    EXPECT_EQ(e.code(), c.code) << c.name << ": " << e.what();
+    EXPECT_NE(std::string(e.what()).find(c.argument), std::string::npos) << "message must name the argument";
+  }
+  EXPECT_TRUE(f.untouched()) << c.name << ": output was written";
+}
+
+INSTANTIATE_TEST_SUITE_P(AllCases, BadInput, ::testing::Range<size_t>(0, cases().size()),
+                         [](const ::testing::TestParamInfo<size_t>& i) { return std::string(cases()[i.param].name); });
+
+TEST(BadInputBaseline, TheFixtureRunsWhenNothingIsWrong) {
+  Fixture f;
+  MoeArgs a = f.args();
+  moe_run(f.w, a);
+  EXPECT_FALSE(f.untouched());
+  for (uint16_t v : f.y) EXPECT_TRUE(std::isfinite(bf16_bits_to_f32(v)));
+}
+
+TEST(BadInputBaseline, EmptyBatchIsLegal) {
+  Fixture f;
+  f.T = 0;
+  MoeArgs a = f.args();
+  EXPECT_NO_THROW(moe_run(f.w, a));
+}
+
+TEST(BadInputBaseline, UnpreparedWeightsAreRefused) {
+  Fixture f;
+  MoeArgs a = f.args();
+  try {
+    moe_run(MoeWeights{}, a);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.argument(), "weights");
+  }
+  EXPECT_TRUE(f.untouched());
+}
+
+}  // namespace
