@@ -16,7 +16,7 @@ float e2m1_decode(uint8_t code);
 uint8_t e2m1_encode(float x);
 // E4M3 (float8_e4m3fn: finite, max 448, 0x7f/0xff are NaN).
 float e4m3_decode(uint8_t code);
-// Round to nearest even, saturating to +-448 (NaN -> 0x7f).
+// Round to nearest even, saturating to +-448 (NaN -> 0x7f with its sign kept).
 uint8_t e4m3_encode_satfinite(float x);
 
 // Nibble packing: element 2i is the low nibble, 2i+1 the high one.
@@ -25,7 +25,7 @@ inline uint8_t nibble(const uint8_t* packed, int64_t i) {
   return static_cast<uint8_t>((packed[i >> 1] >> ((i & 1) * 4)) & 0xf);
 }
 
-// Encode scale for a tensor whose absolute maximum is amax: gs = 448*6/amax (amax==0 -> 1).
+// Encode scale for a tensor whose absolute maximum is amax: gs = 448*6/amax (amax==0 -> 1; NaN/+Inf amax -> NaN).
 float global_encode_scale(float amax);
 
 // Quantize one row of K elements (K multiple of 16) with encode scale gs:
