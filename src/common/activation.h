@@ -50,8 +50,9 @@ template <class T> FP4MOE_HD T gelu_erf(T v) { return T(0.5) * v * (T(1) + erf_(
 template <class T> FP4MOE_HD T gelu_tanh(T v) {
   return T(0.5) * v * (T(1) + tanh_(T(0.79788456080286535588) * (v + T(0.044715) * v * v * v)));
 }
-template <class T> FP4MOE_HD T min_(T a, T b) { return a < b ? a : b; }
-template <class T> FP4MOE_HD T max_(T a, T b) { return a > b ? a : b; }
+// NaN-propagating min/max (fminf/fmaxf would drop a NaN input: SPEC §6 wants NaN to reach the output).
+template <class T> FP4MOE_HD T min_(T a, T b) { return (a < b || a != a) ? a : b; }
+template <class T> FP4MOE_HD T max_(T a, T b) { return (a > b || a != a) ? a : b; }
 template <class T> FP4MOE_HD T clampv(T v, T lo, T hi) { return min_(max_(v, lo), hi); }
 
 struct Gelu { template <class T> FP4MOE_HD static T apply(T h, T, const Params&) { return gelu_erf(h); } };
