@@ -1,0 +1,25 @@
+"""fp4moe: fused Mixture-of-Experts with NVFP4 expert weights and multi-LoRA (Hopper sm_90a and a CPU
+reference).
+
+    import fp4moe
+    w = fp4moe.prepare_weights(w1, w1_scale, w1_scale2, w2, w2_scale, w2_scale2,
+                               gate_up_order="gate_first", activation="swiglu", device="cuda")
+    y = fp4moe.moe(x, w, routing_logits=logits, top_k=8, routing_method="RenormalizeNaive")
+
+Tensors are taken through DLPack (PyTorch, NumPy with ml_dtypes, CuPy, JAX). Errors raise
+fp4moe.Fp4MoeError (a ValueError) with .code and .argument.
+"""
+from ._errors import ErrorCode, Fp4MoeError
+from ._enums import ActivationType, RoutingMethod, GateUpOrder, LoraLayout, ScaleLayout, WeightFormat, ActMode
+from . import _loader  # loads and checks the extension; raises ImportError when it is missing or mismatched
+from ._api import (AdapterRegistry, MoeWeights, build_info, check_device_errors, from_hf_experts, moe,
+                   peft_expert_matrices, prepare_bf16_weights, prepare_weights, quantize_weights, route)
+
+__version__ = _loader.binary_info()["version"]
+
+__all__ = [
+    "ActivationType", "ActMode", "AdapterRegistry", "ErrorCode", "Fp4MoeError", "GateUpOrder", "LoraLayout",
+    "MoeWeights", "RoutingMethod", "ScaleLayout", "WeightFormat", "build_info", "check_device_errors",
+    "from_hf_experts", "moe", "peft_expert_matrices", "prepare_bf16_weights", "prepare_weights",
+    "quantize_weights", "route",
+]

@@ -1,0 +1,450 @@
+// fp4moe._C: nanobind bindings over the C++ API (include/fp4moe/*.h).
+//
+// Tensors come in through DLPack (nb::ndarray): anything with __dlpack__ (PyTorch, CuPy, JAX, NumPy)
+// becomes a fp4moe::TensorView without a copy. The Python layer (python/fp4moe/) passes tensors as a
+// dict {name: array or (array, dtype_hint)}; the hint reinterprets a same-width integer view (NumPy has
+// no DLPack code for ml_dtypes' bfloat16 / float8_e4m3fn, so those arrive as uint16 / uint8 views).
+// Every error is a fp4moe::Error, raised in Python as fp4moe.Fp4MoeError (set by _set_error_class).
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "fp4moe/build_info.h"
+#include "fp4moe/moe.h"
+#include "fp4moe/nvfp4.h"
+#include "fp4moe/quantize.h"
+#include "fp4moe/types.h"
+
+#ifdef FP4MOE_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+namespace nb = nanobind;
+using namespace fp4moe;
+
+namespace {
+
+// The Python exception class (fp4moe.Fp4MoeError); leaked on purpose so that nothing is released
+// after the interpreter has finalized.
+PyObject* g_error_class = nullptr;
+
+[[noreturn]] void bad(const std::string& name, const std::string& what) {
+  throw Error(ErrorCode::InvalidArgument, name, what);
+}
+
+constexpr int kNoHint = -1;
+constexpr uint8_t kDLFloat8_e4m3fn = 10;  // DLPack 1.1 code (nb::dlpack::dtype_code::Float8_E4M3FN)
+
+// DLPack dtype -> fp4moe::DType; hint (a DType value) reinterprets an integer view of the same width.
+DType dtype_from_dlpack(nb::dlpack::dtype t, int hint, const std::string& name) {
+  const auto code = static_cast<nb::dlpack::dtype_code>(t.code);
+  if (t.lanes != 1) bad(name, "expected a tensor with one lane per element, got " + std::to_string(t.lanes));
+  if (hint != kNoHint) {
+    if (hint < 0 || hint > static_cast<int>(DType::I64)) bad(name, "internal: bad dtype hint " + std::to_string(hint));
+    const DType want = static_cast<DType>(hint);
+    if (static_cast<size_t>(t.bits) != 8 * dtype_size(want))
+      bad(name, std::string("expected a ") + std::to_string(8 * dtype_size(want)) + "-bit view for " + to_string(want) +
+                    ", got " + std::to_string(t.bits) + " bits");
+    return want;
+  }
+  using C = nb::dlpack::dtype_code;
+  if (code == C::Float && t.bits == 32) return DType::F32;
+  if (code == C::Float && t.bits == 64) return DType::F64;
+  if (code == C::Float && t.bits == 16) return DType::F16;
+  if (code == C::Bfloat && t.bits == 16) return DType::BF16;
+  if (code == C::UInt && t.bits == 8) return DType::U8;
+  if (code == C::Int && t.bits == 32) return DType::I32;
+  if (code == C::Int && t.bits == 64) return DType::I64;
+  if (t.code == kDLFloat8_e4m3fn && t.bits == 8) return DType::E4M3;
+  bad(name, "unsupported dtype (DLPack code " + std::to_string(t.code) + ", " + std::to_string(t.bits) +
+                " bits); expected float32, bfloat16, float16, float64, uint8, int32, int64 or float8_e4m3fn");
+}
+
+// Keeps the imported arrays alive for the duration of one call.
+struct Keep {
+  std::vector<nb::ndarray<nb::ro>> ro;
+  std::vector<nb::ndarray<>> rw;
+};
+
+template <class Arr>
+TensorView view_from(const Arr& a, int hint, const std::string& name) {
+  TensorView v;
+  if (a.ndim() > static_cast<size_t>(TensorView::kMaxDims))
+    bad(name, "expected at most " + std::to_string(TensorView::kMaxDims) + " dimensions, got " +
+                  std::to_string(a.ndim()));
+  v.dtype = dtype_from_dlpack(a.dtype(), hint, name);
+  const int dev = a.device_type();
+  if (dev == nb::device::cpu::value || dev == nb::device::cuda_host::value) {
+    v.device = Backend::CPU;
+    v.device_id = 0;
+  } else if (dev == nb::device::cuda::value || dev == nb::device::cuda_managed::value) {
+    v.device = Backend::CUDA;
+    v.device_id = a.device_id();
+  } else {
+    throw Error(ErrorCode::Unsupported, name, "expected a tensor on cpu or cuda, got DLPack device type " +
+                                                  std::to_string(dev));
+  }
+  v.ndim = static_cast<int>(a.ndim());
+  for (int i = 0; i < v.ndim; ++i) {
+    v.shape[i] = a.shape(static_cast<size_t>(i));
+    v.stride[i] = a.stride(static_cast<size_t>(i));
+  }
+  // No element is addressed in an empty tensor: NumPy reports strides 0 there; make them row-major.
+  if (v.numel() == 0) {
+    int64_t st = 1;
+    for (int i = v.ndim - 1; i >= 0; --i) {
+      v.stride[i] = st;
+      st *= v.shape[i] > 0 ? v.shape[i] : 1;
+    }
+  }
+  v.data = const_cast<void*>(static_cast<const void*>(a.data()));
+  // An empty tensor may carry a null pointer; "absent" must stay distinct from "empty".
+  if (v.data == nullptr) {
+    static uint8_t empty_sentinel[16];
+    v.data = empty_sentinel;
+  }
+  return v;
+}
+
+std::string py_type_name(nb::handle h) { return nb::cast<std::string>(nb::str(h.type().attr("__name__"))); }
+
+// obj is an array or a tuple (array, dtype_hint). None -> absent view.
+TensorView to_view(nb::handle obj, const std::string& name, bool writable, Keep& keep) {
+  if (obj.is_none()) return {};
+  int hint = kNoHint;
+  nb::handle arr = obj;
+  if (nb::isinstance<nb::tuple>(obj)) {
+    nb::tuple t = nb::borrow<nb::tuple>(obj);
+    if (t.size() != 2) bad(name, "internal: expected (array, dtype_hint)");
+    arr = t[0];
+    hint = t[1].is_none() ? kNoHint : nb::cast<int>(t[1]);
+    if (arr.is_none()) return {};
+  }
+  if (writable) {
+    nb::ndarray<> a;
+    if (!nb::try_cast(arr, a, false))
+      bad(name, "expected a writable tensor supporting DLPack or the buffer protocol, got " + py_type_name(arr));
+    keep.rw.push_back(a);
+    return view_from(a, hint, name);
+  }
+  nb::ndarray<nb::ro> a;
+  if (!nb::try_cast(arr, a, false))
+    bad(name, "expected a tensor supporting DLPack or the buffer protocol, got " + py_type_name(arr));
+  keep.ro.push_back(a);
+  return view_from(a, hint, name);
+}
+
+TensorView get(const nb::dict& d, const char* name, Keep& keep, bool writable = false) {
+  if (!d.contains(name)) return {};
+  return to_view(d[name], name, writable, keep);
+}
+
+// Every key must be one this call knows: a misspelled tensor name must not be ignored silently.
+void check_keys(const nb::dict& d, std::initializer_list<const char*> known, const char* what) {
+  for (auto [k, v] : d) {
+    const std::string key = nb::cast<std::string>(k);
+    bool ok = false;
+    for (const char* n : known) ok = ok || key == n;
+    if (!ok) {
+      std::string list;
+      for (const char* n : known) list += std::string(list.empty() ? "" : ", ") + n;
+      bad(key, std::string("unknown tensor for ") + what + "; expected one of: " + list);
+    }
+  }
+}
+
+// A NumPy array that owns a moved-in vector.
+template <class T>
+nb::object numpy_from(std::vector<T>&& v, std::vector<size_t> shape) {
+  auto* owned = new std::vector<T>(std::move(v));
+  nb::capsule owner(owned, [](void* p) noexcept { delete static_cast<std::vector<T>*>(p); });
+  nb::ndarray<nb::numpy, T> arr(owned->data(), shape.size(), shape.data(), owner);
+  return nb::cast(arr, nb::rv_policy::reference);
+}
+
+nb::dict describe(nb::handle obj) {
+  Keep keep;
+  TensorView v = to_view(obj, "tensor", false, keep);
+  nb::dict d;
+  d["dtype"] = static_cast<int>(v.dtype);
+  d["dtype_name"] = std::string(to_string(v.dtype));
+  d["device"] = v.device == Backend::CPU ? "cpu" : "cuda";
+  d["device_id"] = v.device_id;
+  nb::list shape, stride;
+  for (int i = 0; i < v.ndim; ++i) {
+    shape.append(v.shape[i]);
+    stride.append(v.stride[i]);
+  }
+  d["shape"] = nb::tuple(shape);
+  d["strides"] = nb::tuple(stride);
+  d["data_ptr"] = reinterpret_cast<uintptr_t>(v.data);
+  return d;
+}
+
+MoeWeights py_prepare_weights(const nb::dict& t, int format, int order, int scale_layout, bool gated, int64_t E,
+                              int64_t H, int64_t I, int backend, int device_id) {
+  check_keys(t, {"w1", "w1_scale", "w1_scale2", "w2", "w2_scale", "w2_scale2", "bias1", "bias2"}, "prepare_weights");
+  Keep keep;
+  WeightsDesc d;
+  d.format = static_cast<WeightFormat>(format);
+  d.order = static_cast<GateUpOrder>(order);
+  d.scale_layout = static_cast<ScaleLayout>(scale_layout);
+  d.gated = gated;
+  d.num_experts = E;
+  d.hidden = H;
+  d.inter = I;
+  d.w1 = get(t, "w1", keep);
+  d.w1_scale = get(t, "w1_scale", keep);
+  d.w1_scale2 = get(t, "w1_scale2", keep);
+  d.w2 = get(t, "w2", keep);
+  d.w2_scale = get(t, "w2_scale", keep);
+  d.w2_scale2 = get(t, "w2_scale2", keep);
+  d.bias1 = get(t, "bias1", keep);
+  d.bias2 = get(t, "bias2", keep);
+  nb::gil_scoped_release release;
+  return prepare_weights(d, static_cast<Backend>(backend), device_id);
+}
+
+nb::dict py_quantize_weights(const nb::dict& t, int format, int order, bool gated, bool per_half_scale2,
+                             int scale_layout) {
+  check_keys(t, {"w1", "w2", "bias1", "bias2"}, "quantize_weights");
+  Keep keep;
+  const TensorView w1 = get(t, "w1", keep), w2 = get(t, "w2", keep);
+  const TensorView b1 = get(t, "bias1", keep), b2 = get(t, "bias2", keep);
+  QuantizeOptions opt;
+  opt.format = static_cast<WeightFormat>(format);
+  opt.order = static_cast<GateUpOrder>(order);
+  opt.gated = gated;
+  opt.per_half_scale2 = per_half_scale2;
+  opt.scale_layout = static_cast<ScaleLayout>(scale_layout);
+  OwnedWeights q;
+  {
+    nb::gil_scoped_release release;
+    q = quantize_weights(w1, w2, opt, b1, b2);
+  }
+  const size_t E = static_cast<size_t>(q.E), H = static_cast<size_t>(q.H), I = static_cast<size_t>(q.I),
+               N1 = static_cast<size_t>(q.n1());
+  nb::dict out;
+  if (q.format == WeightFormat::NVFP4) {
+    const bool swz = q.scale_layout == ScaleLayout::Swizzled128x4;
+    const size_t s1 = static_cast<size_t>(nvfp4::swizzled_size(q.n1(), q.H / 16));
+    const size_t s2 = static_cast<size_t>(nvfp4::swizzled_size(q.H, q.I / 16));
+    const size_t n_s2 = q.w1_scale2.size() / E;
+    out["w1"] = numpy_from(std::move(q.w1), {E, N1, H / 2});
+    out["w1_scale"] = swz ? numpy_from(std::move(q.w1_scale), {E, s1}) : numpy_from(std::move(q.w1_scale), {E, N1, H / 16});
+    out["w1_scale2"] = n_s2 == 2 ? numpy_from(std::move(q.w1_scale2), {E, 2}) : numpy_from(std::move(q.w1_scale2), {E});
+    out["w2"] = numpy_from(std::move(q.w2), {E, H, I / 2});
+    out["w2_scale"] = swz ? numpy_from(std::move(q.w2_scale), {E, s2}) : numpy_from(std::move(q.w2_scale), {E, H, I / 16});
+    out["w2_scale2"] = numpy_from(std::move(q.w2_scale2), {E});
+  } else {
+    out["w1"] = numpy_from(std::move(q.w1_bf16), {E, N1, H});  // bf16 bits (uint16)
+    out["w2"] = numpy_from(std::move(q.w2_bf16), {E, H, I});
+  }
+  if (!q.bias1.empty()) out["bias1"] = numpy_from(std::move(q.bias1), {E, N1});
+  if (!q.bias2.empty()) out["bias2"] = numpy_from(std::move(q.bias2), {E, H});
+  return out;
+}
+
+void py_load(AdapterRegistry& reg, int slot, const nb::dict& t, int layout, int64_t rank, float lora_alpha,
+             bool use_rslora) {
+  check_keys(t, {"a_gate", "a_up", "b_gate", "b_up", "a_gate_up", "b_gate_up", "a_down", "b_down",
+                 "shared_a_gate_up", "shared_b_gate_up", "shared_a_down", "shared_b_down"},
+             "AdapterRegistry.load");
+  Keep keep;
+  LoraAdapterDesc d;
+  d.layout = static_cast<LoraLayout>(layout);
+  d.rank = rank;
+  d.lora_alpha = lora_alpha;
+  d.use_rslora = use_rslora;
+  d.a_gate = get(t, "a_gate", keep);
+  d.a_up = get(t, "a_up", keep);
+  d.b_gate = get(t, "b_gate", keep);
+  d.b_up = get(t, "b_up", keep);
+  d.a_gate_up = get(t, "a_gate_up", keep);
+  d.b_gate_up = get(t, "b_gate_up", keep);
+  d.a_down = get(t, "a_down", keep);
+  d.b_down = get(t, "b_down", keep);
+  d.shared_a_gate_up = get(t, "shared_a_gate_up", keep);
+  d.shared_b_gate_up = get(t, "shared_b_gate_up", keep);
+  d.shared_a_down = get(t, "shared_a_down", keep);
+  d.shared_b_down = get(t, "shared_b_down", keep);
+  nb::gil_scoped_release release;
+  reg.load(slot, d);
+}
+
+void py_moe_run(const MoeWeights& weights, const nb::dict& t, int routing_method, int64_t top_k, int64_t n_group,
+                int64_t topk_group, float routed_scaling_factor, int activation, int64_t num_experts_total,
+                int64_t local_expert_offset, int mode, float fc1_input_scale, float fc2_input_scale,
+                bool per_token_x_scale, const MoeWeights* shared_expert, float shared_alpha, float shared_beta,
+                float shared_clamp_limit, bool shared_params_given, const AdapterRegistry* adapters,
+                uintptr_t stream, int precision, int num_threads) {
+  check_keys(t, {"x", "routing_logits", "routing_bias", "topk_ids", "topk_weights", "gemm1_alpha", "gemm1_beta",
+                 "gemm1_clamp_limit", "adapter_ids", "gate_up_lora_delta", "activation_out", "y", "workspace"},
+             "moe");
+  Keep keep;
+  MoeArgs a;
+  a.x = get(t, "x", keep);
+  a.routing.method = static_cast<RoutingMethod>(routing_method);
+  a.routing.top_k = top_k;
+  a.routing.logits = get(t, "routing_logits", keep);
+  a.routing.bias = get(t, "routing_bias", keep);
+  a.routing.n_group = n_group;
+  a.routing.topk_group = topk_group;
+  a.routing.routed_scaling_factor = routed_scaling_factor;
+  a.routing.topk_ids = get(t, "topk_ids", keep);
+  a.routing.topk_weights = get(t, "topk_weights", keep);
+  a.num_experts_total = num_experts_total;
+  a.local_expert_offset = local_expert_offset;
+  a.activation.type = static_cast<ActivationType>(activation);
+  a.activation.alpha = get(t, "gemm1_alpha", keep);
+  a.activation.beta = get(t, "gemm1_beta", keep);
+  a.activation.clamp_limit = get(t, "gemm1_clamp_limit", keep);
+  a.mode = static_cast<ActMode>(mode);
+  a.fc1_input_scale = fc1_input_scale;
+  a.fc2_input_scale = fc2_input_scale;
+  a.per_token_x_scale = per_token_x_scale;
+  a.shared_expert = shared_expert;
+  a.shared_alpha = shared_alpha;
+  a.shared_beta = shared_beta;
+  a.shared_clamp_limit = shared_clamp_limit;
+  a.shared_params_given = shared_params_given;
+  a.adapters = adapters;
+  a.adapter_ids = get(t, "adapter_ids", keep);
+  a.gate_up_lora_delta = get(t, "gate_up_lora_delta", keep);
+  a.activation_out = get(t, "activation_out", keep, /*writable=*/true);
+  a.y = get(t, "y", keep, /*writable=*/true);
+  a.workspace = get(t, "workspace", keep, /*writable=*/true);
+  a.stream = reinterpret_cast<void*>(stream);
+  a.precision = static_cast<Precision>(precision);
+  a.num_threads = num_threads;
+  nb::gil_scoped_release release;
+  moe_run(weights, a);
+}
+
+void py_route(const nb::dict& t, int method, int64_t top_k, int64_t n_group, int64_t topk_group,
+              float routed_scaling_factor, int64_t num_experts_total) {
+  check_keys(t, {"routing_logits", "routing_bias", "topk_ids_out", "topk_weights_out"}, "route");
+  Keep keep;
+  RoutingArgs r;
+  r.method = static_cast<RoutingMethod>(method);
+  r.top_k = top_k;
+  r.logits = get(t, "routing_logits", keep);
+  r.bias = get(t, "routing_bias", keep);
+  r.n_group = n_group;
+  r.topk_group = topk_group;
+  r.routed_scaling_factor = routed_scaling_factor;
+  TensorView ids = get(t, "topk_ids_out", keep, true), w = get(t, "topk_weights_out", keep, true);
+  nb::gil_scoped_release release;
+  route(r, num_experts_total, ids, w);
+}
+
+nb::dict py_build_info() {
+  const BuildInfo b = build_info();
+  nb::dict d;
+  d["version"] = b.version;
+  d["source_hash"] = b.source_hash;
+  d["cxx_compiler"] = b.cxx_compiler;
+  d["cuda_compiler"] = b.cuda_compiler;
+  d["cuda_archs"] = b.cuda_archs;
+  d["with_cuda"] = b.with_cuda;
+  return d;
+}
+
+// (major, minor) of a CUDA device, read without creating a context.
+std::pair<int, int> device_compute_capability(int device_id) {
+#ifdef FP4MOE_WITH_CUDA
+  int major = 0, minor = 0;
+  cudaError_t e1 = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device_id);
+  cudaError_t e2 = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device_id);
+  if (e1 != cudaSuccess || e2 != cudaSuccess)
+    throw Error(ErrorCode::CudaError, "device_id",
+                std::string("cannot read the compute capability: ") + cudaGetErrorString(e1 != cudaSuccess ? e1 : e2));
+  return {major, minor};
+#else
+  (void)device_id;
+  throw Error(ErrorCode::Unsupported, "device", "this build of fp4moe has no CUDA backend");
+#endif
+}
+
+void translate_error(const std::exception_ptr& p, void*) {
+  try {
+    std::rethrow_exception(p);
+  } catch (const Error& e) {
+    if (g_error_class) {
+      // Build fp4moe.Fp4MoeError(message, code, argument); fall back to ValueError if that fails.
+      PyObject* inst = PyObject_CallFunction(g_error_class, "sis", e.what(), static_cast<int>(e.code()),
+                                             e.argument().c_str());
+      if (inst) {
+        PyErr_SetObject(g_error_class, inst);
+        Py_DECREF(inst);
+        return;
+      }
+      PyErr_Clear();
+    }
+    PyErr_SetString(PyExc_ValueError, e.what());
+  }
+}
+
+}  // namespace
+
+NB_MODULE(_C, m) {
+  m.doc() = "fp4moe native extension (use the fp4moe package, not this module directly)";
+  nb::register_exception_translator(translate_error);
+
+  m.def("_set_error_class", [](nb::handle cls) {
+    Py_XINCREF(cls.ptr());
+    g_error_class = cls.ptr();  // leaked on purpose (see g_error_class)
+  });
+  m.def("_describe", &describe, nb::arg("tensor"),
+        "How a tensor converts to a fp4moe TensorView: dtype, device, shape, strides (elements).");
+  m.def("_raise_test_error", [](int code, const std::string& arg, const std::string& msg) {
+    throw Error(static_cast<ErrorCode>(code), arg, msg);
+  });
+
+  nb::class_<MoeWeights>(m, "MoeWeights", "Expert weights prepared for one backend (immutable).")
+      .def_prop_ro("backend", [](const MoeWeights& w) { return static_cast<int>(w.backend()); })
+      .def_prop_ro("format", [](const MoeWeights& w) { return static_cast<int>(w.format()); })
+      .def_prop_ro("order", [](const MoeWeights& w) { return static_cast<int>(w.order()); })
+      .def_prop_ro("gated", &MoeWeights::gated)
+      .def_prop_ro("num_experts", &MoeWeights::num_experts)
+      .def_prop_ro("hidden", &MoeWeights::hidden)
+      .def_prop_ro("inter", &MoeWeights::inter);
+
+  nb::class_<AdapterRegistry>(m, "AdapterRegistry")
+      .def(nb::init<const MoeWeights&, int, const MoeWeights*>(), nb::arg("weights"), nb::arg("num_slots") = 64,
+           nb::arg("shared_expert").none() = nb::none())  // the registry keeps its own (shared) references
+      .def_prop_ro("num_slots", &AdapterRegistry::num_slots)
+      .def("_load", &py_load, nb::arg("slot"), nb::arg("tensors"), nb::arg("layout"), nb::arg("rank"),
+           nb::arg("lora_alpha"), nb::arg("use_rslora"))
+      .def("unload", &AdapterRegistry::unload, nb::arg("slot"), nb::call_guard<nb::gil_scoped_release>())
+      .def("loaded", &AdapterRegistry::loaded, nb::arg("slot"));
+
+  m.def("prepare_weights", &py_prepare_weights, nb::arg("tensors"), nb::arg("format"), nb::arg("order"),
+        nb::arg("scale_layout"), nb::arg("gated"), nb::arg("num_experts"), nb::arg("hidden"), nb::arg("inter"),
+        nb::arg("backend"), nb::arg("device_id"));
+  m.def("quantize_weights", &py_quantize_weights, nb::arg("tensors"), nb::arg("format"), nb::arg("order"),
+        nb::arg("gated"), nb::arg("per_half_scale2"), nb::arg("scale_layout"));
+  m.def("moe_run", &py_moe_run, nb::arg("weights"), nb::arg("tensors"), nb::arg("routing_method"), nb::arg("top_k"),
+        nb::arg("n_group"), nb::arg("topk_group"), nb::arg("routed_scaling_factor"), nb::arg("activation"),
+        nb::arg("num_experts_total"), nb::arg("local_expert_offset"), nb::arg("mode"), nb::arg("fc1_input_scale"),
+        nb::arg("fc2_input_scale"), nb::arg("per_token_x_scale"), nb::arg("shared_expert").none(),
+        nb::arg("shared_alpha"), nb::arg("shared_beta"), nb::arg("shared_clamp_limit"),
+        nb::arg("shared_params_given"), nb::arg("adapters").none(), nb::arg("stream"), nb::arg("precision"),
+        nb::arg("num_threads"));
+  m.def("route", &py_route, nb::arg("tensors"), nb::arg("routing_method"), nb::arg("top_k"), nb::arg("n_group"),
+        nb::arg("topk_group"), nb::arg("routed_scaling_factor"), nb::arg("num_experts_total"));
+  m.def("check_device_errors", &check_device_errors, nb::arg("device_id") = 0,
+        nb::call_guard<nb::gil_scoped_release>());
+  m.def("build_info", &py_build_info);
+  m.def("build_info_report", &build_info_report);
+  m.def("cuda_device_count", &cuda_device_count);
+  m.def("device_compute_capability", &device_compute_capability, nb::arg("device_id"));
+}
