@@ -10,6 +10,7 @@
 
 #include "fp4moe/fp4moe.h"
 #include "fp4moe/synthetic.h"
+#include "check.h"
 #ifdef FP4MOE_WITH_CUDA
 #include <cuda_runtime.h>
 #endif
@@ -29,7 +30,7 @@ int usage() {
       "  demo [--tokens N] [--experts N] [--cpu]   run the default layer (kimi_k3_tp8, SiTU, eight rank-16 adapters)\n"
       "                                             on the GPU when there is one, else on the CPU reference\n"
       "  info                                       build information\n"
-      "  check                                      validation harness (not in this build yet)\n"
+      "  check [--help]                             validation harness: LoRA phases and invariants vs the CPU reference\n"
       "  bench                                      benchmarks (not in this build yet)");
   return 2;
 }
@@ -199,7 +200,8 @@ int main(int argc, char** argv) {
       std::fputs(build_info_report().c_str(), stdout);
       return 0;
     }
-    if (cmd == "check" || cmd == "bench") {
+    if (cmd == "check") return run_check(argc - 2, argv + 2);
+    if (cmd == "bench") {
       std::fprintf(stderr, "fp4moe %s: not available in this build yet\n", cmd.c_str());
       return 2;
     }

@@ -1,0 +1,122 @@
+// The one host-side function that chooses the CUDA backend's tile configuration, launch grids and
+// workspace layout (SPEC §6: "tile configuration and workspace size come from one host-side function,
+// tested for every shape"). Pure host code: it runs (and is tested) without a GPU.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "fp4moe/types.h"
+
+namespace fp4moe {
+
+// Everything about a call that the kernels' configuration depends on.
+struct ProblemShape {
+  int64_t T = 0;        // tokens (0 is legal)
+  int64_t H = 0;        // hidden size (multiple of 16)
+  int64_t I = 0;        // intermediate size per expert (multiple of 16)
+  int64_t E_loc = 0;    // experts on this rank
+  int64_t E_total = 0;  // experts of the model (logits width); 0 = E_loc
+  int64_t k = 0;        // experts per token
+  bool gated = true;
+  ActivationType activation = ActivationType::Swiglu;
+  ActMode mode = ActMode::A16;
+  WeightFormat format = WeightFormat::NVFP4;
+  bool routing_from_logits = true;  // false: precomputed topk_ids/topk_weights
+  int64_t n_group = 1;              // DeepSeekV3 groups (routing from logits)
+  bool has_shared = false;          // shared expert present
+  int64_t shared_I = 0;             // its intermediate size
+  bool has_lora = false;            // registry LoRA in the call (not yet run by the CUDA backend)
+  int64_t max_lora_rank = 0;
+  // Upper bound (bytes) for the token-proportional workspace buffers; tokens beyond it are processed
+  // in chunks of chunk_tokens. 0 = the default (kDefaultWorkspaceBudget).
+  int64_t workspace_budget = 0;
+};
+
+// One region of the workspace.
+struct WorkspaceBuffer {
+  size_t offset = 0;
+  size_t bytes = 0;
+};
+
+// A grouped-GEMM tile configuration. The kernels are instantiated for exactly these (see
+// kGemmConfigs); bm is chosen per call from the expected rows per expert.
+struct GemmConfig {
+  int bm = 0, bn = 0, bk = 0;       // block tile: rows (tokens), columns (weight rows), K step
+  int warps_m = 0, warps_n = 0;     // warp grid
+  int stages = 0;                   // cp.async pipeline depth
+  int threads() const { return 32 * warps_m * warps_n; }
+};
+
+struct MoePlan {
+  ProblemShape shape;  // with defaults resolved (E_total, budget)
+
+  // Token chunking: each chunk of up to chunk_tokens tokens runs the whole pipeline.
+  int64_t chunk_tokens = 0;
+  int64_t num_chunks = 0;
+  int64_t rows = 0;  // chunk_tokens * k: (token, slot) entries per chunk
+
+  // Routing kernel (from logits): one warp per token.
+  int routing_warps_per_block = 0;
+  int64_t routing_blocks = 0;   // for a full chunk
+  size_t routing_smem = 0;      // dynamic shared memory per block
+
+  // Deterministic histogram / permutation: one warp per block of perm_entries entries.
+  int perm_entries = 0;
+  int64_t perm_blocks = 0;      // for a full chunk
+  size_t perm_smem = 0;         // E_loc ints per block
+
+  // Grouped GEMMs.
+  int gemm_config = 0;          // index into kGemmConfigs
+  GemmConfig gemm;              // = kGemmConfigs[gemm_config]
+  int64_t k1_pad = 0, k2_pad = 0;   // K of GEMM1 (H) and GEMM2 (I) padded to gemm.bk
+  int64_t n1 = 0;               // GEMM1 output columns (2I gated, I otherwise)
+  int64_t n1_tiles = 0, n2_tiles = 0;
+  int64_t max_m_tiles = 0;      // upper bound of sum_e ceil(rows_e / bm) over any routing
+  int64_t shared_n1 = 0, shared_n1_tiles = 0, shared_m_tiles = 0, shared_k2_pad = 0;
+  size_t gemm_smem = 0;         // dynamic shared memory per GEMM block
+
+  // Combine: one thread per 4 outputs of a token.
+  int combine_threads = 0;
+  int64_t combine_blocks_per_token = 0;
+
+  // A4 quantization kernels: one thread per 16-element block.
+  int quant_threads = 0;
+
+  // Workspace regions (offsets from the workspace base, each aligned to kWorkspaceAlign).
+  WorkspaceBuffer topk_ids;       // i32 [chunk, k] (routing from logits)
+  WorkspaceBuffer topk_weights;   // f32 [chunk, k]
+  WorkspaceBuffer block_counts;   // i32 [perm_blocks, E_loc]: per-block expert counts, then bases
+  WorkspaceBuffer expert_offsets; // i32 [E_loc + 1]
+  WorkspaceBuffer tile_info;      // i32 [max_m_tiles, 2] (expert, first row) + i32 tile count at the end
+  WorkspaceBuffer row_entry;      // i32 [rows]: permuted row -> entry t*k + j (chunk-local)
+  WorkspaceBuffer x_q;            // A4: bf16 [chunk, H] NVFP4 values of x (e2m1*e4m3)
+  WorkspaceBuffer x_scale;        // A4: f32 [chunk] FC1 input dequant scale per token
+  WorkspaceBuffer act;            // bf16 [rows, I]: GEMM2 input in permuted row order
+  WorkspaceBuffer out;            // f32 [rows, H]: o per entry t*k + j
+  WorkspaceBuffer shared_act;     // bf16 [chunk, shared_I]
+  WorkspaceBuffer shared_out;     // f32 [chunk, H]
+  size_t workspace_bytes = 0;
+};
+
+constexpr size_t kWorkspaceAlign = 256;
+constexpr int64_t kDefaultWorkspaceBudget = int64_t(512) << 20;
+// Limits of this backend (beyond them: Error Unsupported naming the argument).
+constexpr int64_t kMaxTopK = 64;
+constexpr int64_t kMaxExpertsRouting = 4096;  // logits width the routing kernel keeps in shared memory
+constexpr int64_t kMaxLocalExperts = 4096;    // per-block expert counters and the scan in shared memory
+constexpr int64_t kMaxGroups = 64;
+constexpr int64_t kMaxTokens = int64_t(1) << 30;
+constexpr int64_t kMaxHidden = int64_t(1) << 20;  // H, I: keeps every per-row index inside int32
+
+constexpr int kNumGemmConfigs = 3;
+inline constexpr GemmConfig kGemmConfigs[kNumGemmConfigs] = {
+    {16, 128, 64, 1, 4, 4},   // decode: few rows per expert
+    {64, 128, 64, 2, 4, 3},   // medium
+    {128, 128, 64, 2, 4, 3},  // prefill
+};
+
+// Throws Error(InvalidArgument/Unsupported) naming the argument for shapes the kernels cannot take.
+MoePlan make_plan(const ProblemShape& shape);
+size_t workspace_size(const ProblemShape& shape);
+
+}  // namespace fp4moe

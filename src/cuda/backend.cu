@@ -1,0 +1,571 @@
+// The CUDA backend behind src/cuda/backend.h: error handling, the device error flag, the weight
+// preparation (kernel layout of kernels.h) and the orchestration of one call (plan.h), chunk by chunk:
+//   route (or precomputed ids) -> [A4: quantize x] -> permute -> GEMM1 (+epilogue) -> [A4: quantize a]
+//   -> GEMM2 -> shared expert (dense GEMM1/GEMM2) -> combine into y.
+#include "cuda/backend.h"
+
+#include <algorithm>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/activation.h"
+#include "cuda/kernels.h"
+#include "fp4moe/plan.h"
+
+namespace fp4moe::cuda_backend {
+
+// ---- errors ---------------------------------------------------------------------------------------
+void check_cuda(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return;
+  const std::string msg = std::string(what) + " failed: " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")";
+  if (e == cudaErrorMemoryAllocation) throw Error(ErrorCode::OutOfMemory, "", msg);
+  throw Error(ErrorCode::CudaError, "", msg);
+}
+
+void check_launch(const char* kernel) { check_cuda(cudaGetLastError(), kernel); }
+
+namespace {
+
+// Makes `dev` current for the scope and restores the previous device.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int dev) {
+    check_cuda(cudaGetDevice(&prev_), "cudaGetDevice");
+    if (prev_ != dev) check_cuda(cudaSetDevice(dev), "cudaSetDevice");
+  }
+  ~DeviceGuard() {
+    int cur = -1;
+    if (cudaGetDevice(&cur) == cudaSuccess && cur != prev_) (void)cudaSetDevice(prev_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int prev_ = 0;
+};
+
+std::mutex g_flag_mu;
+std::vector<int*> g_flags;
+
+template <class T> T* upload(const std::vector<T>& v, std::vector<void*>& allocs, const char* what) {
+  if (v.empty()) return nullptr;
+  void* p = nullptr;
+  check_cuda(cudaMalloc(&p, v.size() * sizeof(T)), what);
+  allocs.push_back(p);
+  check_cuda(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice), what);
+  return static_cast<T*>(p);
+}
+
+// Runs fn(e) for every expert on a few host threads (the layout of each expert is independent).
+template <class F> void for_experts(int64_t E, F&& fn) {
+  const int nt = static_cast<int>(std::min<int64_t>(E, std::max(1u, std::min(8u, std::thread::hardware_concurrency()))));
+  std::vector<std::thread> pool;
+  for (int i = 0; i < nt; ++i)
+    pool.emplace_back([&, i] {
+      for (int64_t e = i; e < E; e += nt) fn(e);
+    });
+  for (auto& th : pool) th.join();
+}
+
+// NVFP4 [E][N][K/2] + scales [E][N][K/16] -> kernel layout (kernels.h). rowmap: prepared row -> source row.
+template <class RowMap>
+void layout_nvfp4(const uint8_t* q, const uint8_t* sf, int64_t E, int64_t N, int64_t K, RowMap rowmap,
+                  std::vector<uint8_t>& data, std::vector<uint8_t>& sfo) {
+  const int64_t Kp = (K + 63) / 64 * 64, KB = Kp / 64, KQ = K / 2, KS = K / 16;
+  data.assign(static_cast<size_t>(E * KB * N * 32), 0);
+  sfo.assign(static_cast<size_t>(E * KB * N * 4), 0);
+  for_experts(E, [&](int64_t e) {
+    for (int64_t p = 0; p < N; ++p) {
+      const int64_t src = rowmap(p);
+      const uint8_t* qr = q + (e * N + src) * KQ;
+      const uint8_t* sr = sf + (e * N + src) * KS;
+      for (int64_t kb = 0; kb < KB; ++kb) {
+        uint8_t* d = data.data() + ((e * KB + kb) * N + p) * 32;
+        for (int t = 0; t < 4; ++t)
+          for (int s = 0; s < 4; ++s)
+            for (int h = 0; h < 2; ++h) {
+              const int64_t old = kb * 32 + s * 8 + t + 4 * h;
+              if (old < KQ) d[t * 8 + s * 2 + h] = qr[old];
+            }
+        uint8_t* ds = sfo.data() + ((e * KB + kb) * N + p) * 4;
+        for (int s = 0; s < 4; ++s)
+          if (kb * 4 + s < KS) ds[s] = sr[kb * 4 + s];
+      }
+    }
+  });
+}
+
+template <class RowMap>
+void layout_bf16(const uint16_t* w, int64_t E, int64_t N, int64_t K, RowMap rowmap, std::vector<uint16_t>& data) {
+  const int64_t Kp = (K + 63) / 64 * 64, KB = Kp / 64;
+  static constexpr int kQ[4] = {0, 1, 8, 9};
+  data.assign(static_cast<size_t>(E * KB * N * 64), 0);
+  for_experts(E, [&](int64_t e) {
+    for (int64_t p = 0; p < N; ++p) {
+      const uint16_t* r = w + (e * N + rowmap(p)) * K;
+      for (int64_t kb = 0; kb < KB; ++kb) {
+        uint16_t* d = data.data() + ((e * KB + kb) * N + p) * 64;
+        for (int t = 0; t < 4; ++t)
+          for (int s = 0; s < 4; ++s)
+            for (int q = 0; q < 4; ++q) {
+              const int64_t k = kb * 64 + s * 16 + 2 * t + kQ[q];
+              if (k < K) d[t * 16 + s * 4 + q] = r[k];
+            }
+      }
+    }
+  });
+}
+
+DeviceMatrix make_matrix(WeightFormat fmt, int64_t N, int64_t K) {
+  DeviceMatrix m;
+  m.N = N;
+  m.K = K;
+  m.Kp = (K + 63) / 64 * 64;
+  m.expert_data_bytes = (m.Kp / 64) * N * (fmt == WeightFormat::NVFP4 ? 32 : 128);
+  m.expert_sf_bytes = fmt == WeightFormat::NVFP4 ? (m.Kp / 64) * N * 4 : 0;
+  return m;
+}
+
+struct DeviceAdapter {
+  std::vector<void*> allocations;
+  const uint16_t *A1 = nullptr, *B1 = nullptr, *A2 = nullptr, *B2 = nullptr;
+  const uint16_t *sA1 = nullptr, *sB1 = nullptr, *sA2 = nullptr, *sB2 = nullptr;
+  int device_id = 0;
+  ~DeviceAdapter() {
+    for (void* p : allocations) (void)cudaFree(p);
+  }
+};
+
+bool aligned(const void* p, size_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
+
+}  // namespace
+
+DeviceWeights::~DeviceWeights() {
+  int prev = -1;
+  const bool have_prev = cudaGetDevice(&prev) == cudaSuccess;
+  if (have_prev && prev != device_id) (void)cudaSetDevice(device_id);
+  for (void* p : allocations) (void)cudaFree(p);
+  if (have_prev && prev != device_id) (void)cudaSetDevice(prev);
+}
+
+int* device_error_flag(int device_id) {
+  std::lock_guard<std::mutex> lk(g_flag_mu);
+  if (device_id < 0) throw Error(ErrorCode::InvalidArgument, "device_id", "negative device id");
+  if (static_cast<size_t>(device_id) >= g_flags.size()) g_flags.resize(device_id + 1, nullptr);
+  if (!g_flags[device_id]) {
+    DeviceGuard guard(device_id);
+    void* p = nullptr;
+    check_cuda(cudaMalloc(&p, 16), "cudaMalloc(device error flag)");
+    check_cuda(cudaMemset(p, 0, 16), "cudaMemset(device error flag)");
+    g_flags[device_id] = static_cast<int*>(p);
+  }
+  return g_flags[device_id];
+}
+
+int device_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+void check_device_errors(int device_id) {
+  int* flag = device_error_flag(device_id);
+  DeviceGuard guard(device_id);
+  check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize (check_device_errors)");
+  int v = 0;
+  check_cuda(cudaMemcpy(&v, flag, sizeof(int), cudaMemcpyDeviceToHost), "cudaMemcpy (device error flag)");
+  if (v == 0) return;
+  check_cuda(cudaMemset(flag, 0, sizeof(int)), "cudaMemset (device error flag)");
+  if (v == 1)
+    throw Error(ErrorCode::DeviceFault, "routing.topk_ids",
+                "a precomputed expert id on the GPU was outside [0, num_experts_total); its (token, slot) was dropped");
+  throw Error(ErrorCode::DeviceFault, "", "internal: the permutation produced more tiles than planned (code " +
+                                              std::to_string(v) + ")");
+}
+
+std::shared_ptr<void> prepare_device_weights(const PreparedWeights& w) {
+  if (w.E < 1 || w.H % 16 || w.I % 16 || w.H < 16 || w.I < 16)
+    throw Error(ErrorCode::InvalidArgument, "weights", "H and I must be positive multiples of 16");
+  DeviceGuard guard(w.device_id);
+  (void)device_error_flag(w.device_id);  // allocated here, outside any stream capture
+  auto dw = std::make_shared<DeviceWeights>();
+  dw->device_id = w.device_id;
+  dw->format = w.format;
+  dw->order = w.order;
+  dw->gated = w.gated;
+  dw->E = w.E;
+  dw->H = w.H;
+  dw->I = w.I;
+  dw->N1 = w.n1();
+  const int64_t E = w.E, H = w.H, I = w.I, N1 = w.n1();
+  const bool gate_first = w.order == GateUpOrder::GateFirst;
+  // Prepared W1 row p -> canonical row: gated rows interleave (gate j, up j).
+  auto map1 = [&](int64_t p) -> int64_t {
+    if (!w.gated) return p;
+    const int64_t j = p >> 1;
+    const bool gate = (p & 1) == 0;
+    return gate == gate_first ? j : I + j;
+  };
+  auto id = [](int64_t p) { return p; };
+  dw->w1 = make_matrix(w.format, N1, H);
+  dw->w2 = make_matrix(w.format, H, I);
+  if (w.format == WeightFormat::NVFP4) {
+    std::vector<uint8_t> d, s;
+    layout_nvfp4(w.w1_q.data(), w.w1_sf.data(), E, N1, H, map1, d, s);
+    dw->w1.data = upload(d, dw->allocations, "cudaMalloc/cudaMemcpy (w1)");
+    dw->w1.sf = upload(s, dw->allocations, "cudaMalloc/cudaMemcpy (w1 scales)");
+    layout_nvfp4(w.w2_q.data(), w.w2_sf.data(), E, H, I, id, d, s);
+    dw->w2.data = upload(d, dw->allocations, "cudaMalloc/cudaMemcpy (w2)");
+    dw->w2.sf = upload(s, dw->allocations, "cudaMalloc/cudaMemcpy (w2 scales)");
+  } else {
+    std::vector<uint16_t> d;
+    layout_bf16(w.w1_bf16.data(), E, N1, H, map1, d);
+    dw->w1.data = reinterpret_cast<const uint8_t*>(upload(d, dw->allocations, "cudaMalloc/cudaMemcpy (w1)"));
+    layout_bf16(w.w2_bf16.data(), E, H, I, id, d);
+    dw->w2.data = reinterpret_cast<const uint8_t*>(upload(d, dw->allocations, "cudaMalloc/cudaMemcpy (w2)"));
+  }
+  std::vector<float> se(E), so(E), s2(E);
+  for (int64_t e = 0; e < E; ++e) {
+    if (w.gated) {
+      se[e] = w.s1(e, gate_first ? 0 : 1);
+      so[e] = w.s1(e, gate_first ? 1 : 0);
+    } else {
+      se[e] = so[e] = w.s1(e, 0);
+    }
+    s2[e] = w.w2_s2.empty() ? 1.f : w.w2_s2[e];
+  }
+  dw->s1_even = upload(se, dw->allocations, "cudaMemcpy (scales)");
+  dw->s1_odd = upload(so, dw->allocations, "cudaMemcpy (scales)");
+  dw->s2 = upload(s2, dw->allocations, "cudaMemcpy (scales)");
+  if (!w.bias1.empty()) {
+    std::vector<float> b(static_cast<size_t>(E * N1));
+    for (int64_t e = 0; e < E; ++e)
+      for (int64_t p = 0; p < N1; ++p) b[e * N1 + p] = w.bias1[e * N1 + map1(p)];
+    dw->bias1 = upload(b, dw->allocations, "cudaMemcpy (bias1)");
+  }
+  if (!w.bias2.empty()) dw->bias2 = upload(w.bias2, dw->allocations, "cudaMemcpy (bias2)");
+  return dw;
+}
+
+std::shared_ptr<void> prepare_device_adapter(const PreparedAdapter& a, int device_id) {
+  DeviceGuard guard(device_id);
+  auto da = std::make_shared<DeviceAdapter>();
+  da->device_id = device_id;
+  da->A1 = upload(a.A1, da->allocations, "cudaMemcpy (adapter A1)");
+  da->B1 = upload(a.B1, da->allocations, "cudaMemcpy (adapter B1)");
+  da->A2 = upload(a.A2, da->allocations, "cudaMemcpy (adapter A2)");
+  da->B2 = upload(a.B2, da->allocations, "cudaMemcpy (adapter B2)");
+  da->sA1 = upload(a.sA1, da->allocations, "cudaMemcpy (adapter sA1)");
+  da->sB1 = upload(a.sB1, da->allocations, "cudaMemcpy (adapter sB1)");
+  da->sA2 = upload(a.sA2, da->allocations, "cudaMemcpy (adapter sA2)");
+  da->sB2 = upload(a.sB2, da->allocations, "cudaMemcpy (adapter sB2)");
+  return da;
+}
+
+namespace {
+
+// Workspace: the caller's, or one allocated on the stream for this call (freed on the stream).
+class Workspace {
+ public:
+  Workspace(const MoeArgs& args, size_t bytes, cudaStream_t stream) : stream_(stream) {
+    if (bytes == 0) return;
+    if (args.workspace.present()) {
+      const size_t have = static_cast<size_t>(args.workspace.numel());
+      if (have < bytes)
+        throw Error(ErrorCode::InvalidArgument, "workspace",
+                    "expected at least " + std::to_string(bytes) + " bytes (workspace_size), got " + std::to_string(have));
+      if (!aligned(args.workspace.data, kWorkspaceAlign))
+        throw Error(ErrorCode::InvalidArgument, "workspace", "must be aligned to " + std::to_string(kWorkspaceAlign) + " bytes");
+      base_ = static_cast<uint8_t*>(args.workspace.data);
+      return;
+    }
+    void* p = nullptr;
+    check_cuda(cudaMallocAsync(&p, bytes, stream), "cudaMallocAsync (workspace)");
+    base_ = static_cast<uint8_t*>(p);
+    owned_ = true;
+  }
+  ~Workspace() {
+    if (owned_) (void)cudaFreeAsync(base_, stream_);
+  }
+  template <class T> T* at(const WorkspaceBuffer& b) const {
+    return b.bytes ? reinterpret_cast<T*>(base_ + b.offset) : nullptr;
+  }
+
+ private:
+  uint8_t* base_ = nullptr;
+  bool owned_ = false;
+  cudaStream_t stream_;
+};
+
+GemmProblem dense_problem(const uint16_t* A, int64_t lda, int K, int rows, const DeviceMatrix& B) {
+  GemmProblem g;
+  g.A = A;
+  g.lda = lda;
+  g.K = K;
+  g.dense_rows = rows;
+  g.B = B;
+  return g;
+}
+
+}  // namespace
+
+void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& adapters) {
+  const auto* dw = static_cast<const DeviceWeights*>(w.device.get());
+  if (!dw) throw Error(ErrorCode::InvalidArgument, "weights", "not prepared for the CUDA backend");
+  if (adapters)
+    for (const auto& a : *adapters)
+      if (a)
+        throw Error(ErrorCode::Unsupported, "adapters",
+                    "registry LoRA is not yet implemented by the CUDA backend (use the gate_up_lora_delta bridge)");
+  const DeviceWeights* sw = nullptr;
+  if (args.shared_expert) {
+    sw = static_cast<const DeviceWeights*>(args.shared_expert->impl().device.get());
+    if (!sw) throw Error(ErrorCode::InvalidArgument, "shared_expert", "not prepared for the CUDA backend");
+  }
+
+  const RoutingArgs& ra = args.routing;
+  ProblemShape s;
+  s.T = args.x.shape[0];
+  s.H = w.H;
+  s.I = w.I;
+  s.E_loc = w.E;
+  s.E_total = args.num_experts_total == 0 ? w.E : args.num_experts_total;
+  s.k = ra.top_k;
+  s.gated = w.gated;
+  s.activation = args.activation.type;
+  s.mode = args.mode;
+  s.format = w.format;
+  s.routing_from_logits = ra.logits.present();
+  s.n_group = ra.method == RoutingMethod::DeepSeekV3 ? ra.n_group : 1;
+  s.has_shared = sw != nullptr;
+  s.shared_I = sw ? sw->I : 0;
+  const MoePlan plan = make_plan(s);
+  if (plan.num_chunks == 0) return;
+
+  if (!aligned(args.x.data, 16))
+    throw Error(ErrorCode::Unsupported, "x", "the CUDA backend needs x aligned to 16 bytes");
+  const int dev = w.device_id;
+  DeviceGuard guard(dev);
+  int* err = device_error_flag(dev);
+  auto stream = static_cast<cudaStream_t>(args.stream);
+  Workspace ws(args, plan.workspace_bytes, stream);
+
+  const int64_t T = s.T, H = s.H, I = s.I, k = s.k, N1 = plan.n1, E_total = s.E_total;
+  const bool a4 = s.mode == ActMode::A4;
+  const auto* x = static_cast<const uint16_t*>(args.x.data);
+  auto* y = static_cast<uint16_t*>(args.y.data);
+  const act::Params defaults = act::resolve_params(s.activation, false, 0.f, false, 0.f, false, 0.f);
+  const act::Params shared_params =
+      args.shared_params_given
+          ? act::resolve_params(s.activation, true, args.shared_alpha, true, args.shared_beta, args.shared_clamp_limit > 0.f,
+                                args.shared_clamp_limit)
+          : defaults;
+  const float fc2_scale = a4 ? args.fc2_input_scale : 1.f;
+
+  int32_t* ws_ids = ws.at<int32_t>(plan.topk_ids);
+  float* ws_w = ws.at<float>(plan.topk_weights);
+  int32_t* block_counts = ws.at<int32_t>(plan.block_counts);
+  int32_t* expert_offsets = ws.at<int32_t>(plan.expert_offsets);
+  int32_t* tile_info = ws.at<int32_t>(plan.tile_info);
+  int32_t* row_entry = ws.at<int32_t>(plan.row_entry);
+  uint16_t* x_q = ws.at<uint16_t>(plan.x_q);
+  float* x_scale = ws.at<float>(plan.x_scale);
+  uint16_t* act_buf = ws.at<uint16_t>(plan.act);
+  float* out_buf = ws.at<float>(plan.out);
+  uint16_t* shared_act = ws.at<uint16_t>(plan.shared_act);
+  float* shared_out = ws.at<float>(plan.shared_out);
+
+  for (int64_t c = 0; c < plan.num_chunks; ++c) {
+    const int64_t t0 = c * plan.chunk_tokens;
+    const int tc = static_cast<int>(std::min<int64_t>(plan.chunk_tokens, T - t0));
+    const int rows = static_cast<int>(tc * k);
+
+    // 1. Routing.
+    const int32_t* ids;
+    const float* wts;
+    if (s.routing_from_logits) {
+      RoutingParams rp;
+      const size_t lsz = ra.logits.dtype == DType::BF16 ? 2 : 4;
+      rp.logits = static_cast<const uint8_t*>(ra.logits.data) + t0 * E_total * lsz;
+      rp.logits_bf16 = ra.logits.dtype == DType::BF16;
+      rp.bias = ra.bias.present() ? static_cast<const float*>(ra.bias.data) : nullptr;
+      rp.method = static_cast<int>(ra.method);
+      rp.T = tc;
+      rp.E = static_cast<int>(E_total);
+      rp.k = static_cast<int>(k);
+      rp.n_group = static_cast<int>(ra.method == RoutingMethod::DeepSeekV3 ? ra.n_group : 1);
+      rp.topk_group = static_cast<int>(ra.topk_group);
+      rp.routed_scaling_factor = ra.routed_scaling_factor;
+      rp.ids = ws_ids;
+      rp.weights = ws_w;
+      launch_routing(rp, plan.routing_warps_per_block, plan.routing_smem, stream);
+      ids = ws_ids;
+      wts = ws_w;
+    } else {
+      ids = static_cast<const int32_t*>(ra.topk_ids.data) + t0 * k;
+      wts = static_cast<const float*>(ra.topk_weights.data) + t0 * k;
+    }
+
+    // 2. A4: x -> NVFP4 values (e2m1 * e4m3) and the per-token FC1 input scale.
+    const uint16_t* a_in = x + t0 * H;
+    if (a4) {
+      QuantizeParams qp;
+      qp.x = x + t0 * H;
+      qp.ldx = H;
+      qp.out = x_q;
+      qp.out_scale = x_scale;
+      qp.rows = tc;
+      qp.K = static_cast<int>(H);
+      qp.per_row_scale = args.per_token_x_scale;
+      qp.gs = args.per_token_x_scale ? 1.f : 1.f / args.fc1_input_scale;
+      qp.scale2 = args.fc1_input_scale;
+      launch_quantize(qp, stream);
+      a_in = x_q;
+    }
+
+    // 3. Permutation.
+    PermuteParams pp;
+    pp.ids = ids;
+    pp.rows = rows;
+    pp.E_total = static_cast<int>(E_total);
+    pp.E_loc = static_cast<int>(w.E);
+    pp.local_offset = static_cast<int>(args.local_expert_offset);
+    pp.entries_per_block = plan.perm_entries;
+    pp.num_blocks = static_cast<int>((rows + plan.perm_entries - 1) / plan.perm_entries);
+    pp.bm = plan.gemm.bm;
+    pp.max_tiles = static_cast<int>(plan.max_m_tiles);
+    pp.block_counts = block_counts;
+    pp.expert_offsets = expert_offsets;
+    pp.tile_info = tile_info;
+    pp.row_entry = row_entry;
+    pp.error_flag = err;
+    launch_permute(pp, stream);
+
+    // 4. GEMM1 over the routed rows.
+    uint16_t* act_out = nullptr;
+    if (args.activation_out.present()) {
+      act_out = static_cast<uint16_t*>(args.activation_out.data) + t0 * k * I;
+      // Slots whose expert is another rank's stay 0; GEMM1 overwrites the local ones.
+      check_cuda(cudaMemsetAsync(act_out, 0, static_cast<size_t>(tc) * k * I * 2, stream), "cudaMemsetAsync (activation_out)");
+    }
+    GemmProblem g1;
+    g1.A = a_in;
+    g1.lda = H;
+    g1.K = static_cast<int>(H);
+    g1.row_entry = row_entry;
+    g1.gather_k = static_cast<int>(k);
+    g1.tile_info = tile_info;
+    g1.expert_offsets = expert_offsets;
+    g1.max_tiles = static_cast<int>(plan.max_m_tiles);
+    g1.B = dw->w1;
+    Epilogue1Params e1;
+    e1.s_even = dw->s1_even;
+    e1.s_odd = dw->s1_odd;
+    e1.row_scale = a4 ? x_scale : nullptr;
+    e1.token_div = static_cast<int>(k);
+    e1.bias = dw->bias1;
+    e1.delta = args.gate_up_lora_delta.present() ? static_cast<const uint16_t*>(args.gate_up_lora_delta.data) + t0 * k * N1
+                                                 : nullptr;
+    e1.gate_first = dw->order == GateUpOrder::GateFirst;
+    e1.alpha = args.activation.alpha.present() ? static_cast<const float*>(args.activation.alpha.data) : nullptr;
+    e1.beta = args.activation.beta.present() ? static_cast<const float*>(args.activation.beta.data) : nullptr;
+    e1.limit = args.activation.clamp_limit.present() ? static_cast<const float*>(args.activation.clamp_limit.data) : nullptr;
+    e1.defaults = defaults;
+    e1.out = act_buf;
+    e1.act_out = act_out;
+    e1.I = static_cast<int>(I);
+    e1.N1 = static_cast<int>(N1);
+    launch_gemm1(plan.gemm_config, w.format, s.activation, g1, e1, static_cast<int>(plan.n1_tiles),
+                 static_cast<int>(plan.max_m_tiles), stream);
+
+    // 5. A4: a -> NVFP4 values with the FC2 input encode scale.
+    if (a4) {
+      QuantizeParams qp;
+      qp.x = act_buf;
+      qp.ldx = I;
+      qp.out = act_buf;
+      qp.rows = rows;
+      qp.K = static_cast<int>(I);
+      qp.row_count = expert_offsets + w.E;
+      qp.gs = 1.f / args.fc2_input_scale;
+      launch_quantize(qp, stream);
+    }
+
+    // 6. GEMM2: o per (token, slot) entry.
+    GemmProblem g2 = g1;
+    g2.A = act_buf;
+    g2.lda = I;
+    g2.K = static_cast<int>(I);
+    g2.gather_k = 0;
+    g2.B = dw->w2;
+    Epilogue2Params e2;
+    e2.s2 = dw->s2;
+    e2.in_scale = fc2_scale;
+    e2.bias = dw->bias2;
+    e2.out = out_buf;
+    e2.H = static_cast<int>(H);
+    launch_gemm2(plan.gemm_config, w.format, g2, e2, static_cast<int>(plan.n2_tiles), static_cast<int>(plan.max_m_tiles),
+                 stream);
+
+    // 7. Shared expert: the same pipeline over all tokens of the chunk, dense rows.
+    if (sw) {
+      const int64_t Is = sw->I;
+      GemmProblem gs1 = dense_problem(a_in, H, static_cast<int>(H), tc, sw->w1);
+      Epilogue1Params es1;
+      es1.s_even = sw->s1_even;
+      es1.s_odd = sw->s1_odd;
+      es1.row_scale = a4 ? x_scale : nullptr;
+      es1.token_div = 1;
+      es1.bias = sw->bias1;
+      es1.gate_first = sw->order == GateUpOrder::GateFirst;
+      es1.defaults = shared_params;
+      es1.out = shared_act;
+      es1.I = static_cast<int>(Is);
+      es1.N1 = static_cast<int>(sw->N1);
+      launch_gemm1(plan.gemm_config, sw->format, s.activation, gs1, es1, static_cast<int>(plan.shared_n1_tiles),
+                   static_cast<int>(plan.shared_m_tiles), stream);
+      if (a4) {
+        QuantizeParams qp;
+        qp.x = shared_act;
+        qp.ldx = Is;
+        qp.out = shared_act;
+        qp.rows = tc;
+        qp.K = static_cast<int>(Is);
+        qp.gs = 1.f / args.fc2_input_scale;
+        launch_quantize(qp, stream);
+      }
+      GemmProblem gs2 = dense_problem(shared_act, Is, static_cast<int>(Is), tc, sw->w2);
+      Epilogue2Params es2;
+      es2.s2 = sw->s2;
+      es2.in_scale = fc2_scale;
+      es2.bias = sw->bias2;
+      es2.out = shared_out;
+      es2.H = static_cast<int>(H);
+      launch_gemm2(plan.gemm_config, sw->format, gs2, es2, static_cast<int>(plan.n2_tiles),
+                   static_cast<int>(plan.shared_m_tiles), stream);
+    }
+
+    // 8. Combine in slot order, + shared, one bf16 rounding.
+    CombineParams cp;
+    cp.ids = ids;
+    cp.weights = wts;
+    cp.out = out_buf;
+    cp.shared_out = sw ? shared_out : nullptr;
+    cp.y = y + t0 * H;
+    cp.T = tc;
+    cp.k = static_cast<int>(k);
+    cp.H = static_cast<int>(H);
+    cp.E_loc = static_cast<int>(w.E);
+    cp.local_offset = static_cast<int>(args.local_expert_offset);
+    cp.blocks_per_token = static_cast<int>(plan.combine_blocks_per_token);
+    cp.threads = plan.combine_threads;
+    launch_combine(cp, stream);
+  }
+}
+
+}  // namespace fp4moe::cuda_backend

@@ -1,0 +1,163 @@
+// The grouped GEMM kernel: scheduling (which expert and rows a block computes) and the epilogues of
+// GEMM1 (scales, bias, delta, activation, bf16) and GEMM2 (scale, bias, fp32 o per entry).
+#pragma once
+#include <type_traits>
+
+#include "common/activation.h"
+#include "cuda/gemm_mainloop.cuh"
+
+namespace fp4moe::cuda_backend {
+
+template <class A> constexpr bool kGatedAct =
+    !(std::is_same_v<A, act::Gelu> || std::is_same_v<A, act::Relu> || std::is_same_v<A, act::Silu> ||
+      std::is_same_v<A, act::Relu2> || std::is_same_v<A, act::Identity>);
+
+// Tile -> (expert, rows). Routed: tile_info from the permutation; dense (shared expert): consecutive rows.
+struct TileRows {
+  int expert, row0, row_end;
+};
+template <int BM> __device__ __forceinline__ bool resolve_tile(const GemmProblem& g, TileRows& tr) {
+  const int tile = static_cast<int>(blockIdx.x);
+  if (g.tile_info) {
+    if (tile >= g.tile_info[2 * g.max_tiles]) return false;  // fewer tiles than the plan's bound
+    tr.expert = g.tile_info[2 * tile];
+    tr.row0 = g.tile_info[2 * tile + 1];
+    tr.row_end = min(tr.row0 + BM, g.expert_offsets[tr.expert + 1]);
+  } else {
+    tr.expert = 0;
+    tr.row0 = tile * BM;
+    if (tr.row0 >= g.dense_rows) return false;
+    tr.row_end = min(tr.row0 + BM, g.dense_rows);
+  }
+  return true;
+}
+
+__device__ __forceinline__ int entry_of(const GemmProblem& g, int r) { return g.row_entry ? g.row_entry[r] : r; }
+
+struct Epilogue1 {
+  using Params = Epilogue1Params;
+  template <class Cfg, class Act>
+  __device__ __forceinline__ static void apply(const Params& p, const GemmProblem& g, const MainLoop<Cfg>& ml,
+                                               const TileRows& tr, int n0) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int wm = warp / Cfg::WARPS_N, wn = warp % Cfg::WARPS_N;
+    const int e = tr.expert;
+    act::Params prm = p.defaults;
+    if (p.alpha) prm.alpha = p.alpha[e];
+    if (p.beta) prm.beta = p.beta[e];
+    if (p.limit) { prm.limit = p.limit[e]; prm.has_limit = isfinite(prm.limit); }
+    const float s_even = p.s_even[e];
+    const float s_odd = kGatedAct<Act> ? p.s_odd[e] : s_even;
+#pragma unroll
+    for (int mt = 0; mt < Cfg::MT; ++mt)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = tr.row0 + wm * Cfg::WTM + mt * 16 + (lane >> 2) + half * 8;
+        if (r >= tr.row_end) continue;
+        const int entry = entry_of(g, r);
+        const int token = entry / p.token_div;
+        const float rs = p.row_scale ? p.row_scale[token] : 1.f;
+        const float a_even = __fmul_rn(s_even, rs), a_odd = __fmul_rn(s_odd, rs);
+#pragma unroll
+        for (int nt = 0; nt < Cfg::NT; ++nt) {
+          const int col = n0 + wn * Cfg::WTN + nt * 8 + 2 * (lane & 3);
+          if (col >= p.N1) continue;
+          float h0 = __fmul_rn(ml.acc[mt][nt][2 * half], a_even);
+          float h1 = __fmul_rn(ml.acc[mt][nt][2 * half + 1], a_odd);
+          if (p.bias) {
+            h0 = __fadd_rn(h0, p.bias[static_cast<int64_t>(e) * p.N1 + col]);
+            h1 = __fadd_rn(h1, p.bias[static_cast<int64_t>(e) * p.N1 + col + 1]);
+          }
+          if constexpr (kGatedAct<Act>) {
+            const int j = col >> 1;
+            float dg = 0.f, du = 0.f;
+            if (p.delta) {
+              const uint16_t* d = p.delta + static_cast<int64_t>(entry) * p.N1;
+              dg = dev::bf16_to_f32(d[p.gate_first ? j : p.I + j]);
+              du = dev::bf16_to_f32(d[p.gate_first ? p.I + j : j]);
+            }
+            h0 = __fadd_rn(h0, dg);
+            h1 = __fadd_rn(h1, du);
+            const uint16_t a = dev::f32_to_bf16(Act::apply(h0, h1, prm));
+            p.out[static_cast<int64_t>(r) * p.I + j] = a;
+            if (p.act_out) p.act_out[static_cast<int64_t>(entry) * p.I + j] = a;
+          } else {
+            float d0 = 0.f, d1 = 0.f;
+            if (p.delta) {
+              const uint16_t* d = p.delta + static_cast<int64_t>(entry) * p.N1;
+              d0 = dev::bf16_to_f32(d[col]);
+              d1 = dev::bf16_to_f32(d[col + 1]);
+            }
+            h0 = __fadd_rn(h0, d0);
+            h1 = __fadd_rn(h1, d1);
+            const uint32_t a = static_cast<uint32_t>(dev::f32_to_bf16(Act::apply(h0, 0.f, prm))) |
+                               (static_cast<uint32_t>(dev::f32_to_bf16(Act::apply(h1, 0.f, prm))) << 16);
+            *reinterpret_cast<uint32_t*>(p.out + static_cast<int64_t>(r) * p.I + col) = a;
+            if (p.act_out) {  // the caller's tensor may be only 2-byte aligned
+              p.act_out[static_cast<int64_t>(entry) * p.I + col] = static_cast<uint16_t>(a & 0xffffu);
+              p.act_out[static_cast<int64_t>(entry) * p.I + col + 1] = static_cast<uint16_t>(a >> 16);
+            }
+          }
+        }
+      }
+  }
+};
+
+struct Epilogue2 {
+  using Params = Epilogue2Params;
+  template <class Cfg, class Act>
+  __device__ __forceinline__ static void apply(const Params& p, const GemmProblem& g, const MainLoop<Cfg>& ml,
+                                               const TileRows& tr, int n0) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int wm = warp / Cfg::WARPS_N, wn = warp % Cfg::WARPS_N;
+    const int e = tr.expert;
+    const float s = __fmul_rn(p.s2[e], p.in_scale);
+#pragma unroll
+    for (int mt = 0; mt < Cfg::MT; ++mt)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = tr.row0 + wm * Cfg::WTM + mt * 16 + (lane >> 2) + half * 8;
+        if (r >= tr.row_end) continue;
+        float* orow = p.out + static_cast<int64_t>(entry_of(g, r)) * p.H;
+#pragma unroll
+        for (int nt = 0; nt < Cfg::NT; ++nt) {
+          const int col = n0 + wn * Cfg::WTN + nt * 8 + 2 * (lane & 3);
+          if (col >= p.H) continue;
+          float o0 = __fmul_rn(ml.acc[mt][nt][2 * half], s);
+          float o1 = __fmul_rn(ml.acc[mt][nt][2 * half + 1], s);
+          if (p.bias) {
+            o0 = __fadd_rn(o0, p.bias[static_cast<int64_t>(e) * p.H + col]);
+            o1 = __fadd_rn(o1, p.bias[static_cast<int64_t>(e) * p.H + col + 1]);
+          }
+          // + 0: the reference always adds the (zero) down-LoRA delta, which turns -0 into +0.
+          *reinterpret_cast<float2*>(orow + col) = make_float2(__fadd_rn(o0, 0.f), __fadd_rn(o1, 0.f));
+        }
+      }
+  }
+};
+
+template <class Cfg, class Epi, class Act>
+__global__ void __launch_bounds__(Cfg::THREADS) grouped_gemm_kernel(GemmProblem g, typename Epi::Params ep) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  TileRows tr;
+  if (!resolve_tile<Cfg::BM>(g, tr)) return;
+  const int n0 = static_cast<int>(blockIdx.y) * Cfg::BN;
+
+  ARows<Cfg> arows;
+#pragma unroll
+  for (int i = 0; i < Cfg::A_CHUNKS; ++i) {
+    const int row = (threadIdx.x + i * Cfg::THREADS) >> 3;
+    const int r = tr.row0 + row;
+    arows.ptr[i] = nullptr;
+    if (r < tr.row_end) {
+      const int entry = entry_of(g, r);
+      const int arow = g.gather_k ? entry / g.gather_k : r;
+      arows.ptr[i] = g.A + static_cast<int64_t>(arow) * g.lda;
+    }
+  }
+  MainLoop<Cfg> ml;
+  ml.run(smem, arows, g.K, g.B, tr.expert, n0);
+  Epi::template apply<Cfg, Act>(ep, g, ml, tr, n0);
+}
+
+}  // namespace fp4moe::cuda_backend

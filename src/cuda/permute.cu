@@ -1,0 +1,159 @@
+// Deterministic expert histogram and token permutation (no order-dependent atomics):
+//   1. count: each block (one warp) counts its run of (token, slot) entries per local expert;
+//   2. scan (one block): per expert, exclusive prefix over blocks; expert offsets; the tile list;
+//   3. place: each block walks its entries in order and gives entry i of expert e the next row of e,
+//      so rows of an expert are in (token, slot) order whatever the scheduling.
+// Ids outside [0, E_total) are dropped and raise the device error flag (never an out-of-bounds access).
+#include "cuda/kernels.h"
+
+namespace fp4moe::cuda_backend {
+namespace {
+
+// Local expert of entry i, -1 when the expert is another rank's; -2 when the id is out of range.
+__device__ __forceinline__ int local_expert(const PermuteParams& p, int i) {
+  const int id = p.ids[i];
+  if (id < 0 || id >= p.E_total) return -2;
+  const int e = id - p.local_offset;
+  return (e >= 0 && e < p.E_loc) ? e : -1;
+}
+
+__global__ void count_kernel(PermuteParams p) {
+  extern __shared__ int cnt[];
+  const int lane = threadIdx.x;
+  for (int e = lane; e < p.E_loc; e += 32) cnt[e] = 0;
+  __syncwarp();
+  const int begin = blockIdx.x * p.entries_per_block;
+  const int end = min(begin + p.entries_per_block, p.rows);
+  bool bad = false;
+  for (int i = begin + lane; i < end; i += 32) {
+    const int e = local_expert(p, i);
+    if (e >= 0) atomicAdd(&cnt[e], 1);  // integer counts: the result does not depend on the order
+    bad |= e == -2;
+  }
+  if (__any_sync(0xffffffffu, bad) && lane == 0) atomicExch(p.error_flag, 1);
+  __syncwarp();
+  int32_t* out = p.block_counts + static_cast<int64_t>(blockIdx.x) * p.E_loc;
+  for (int e = lane; e < p.E_loc; e += 32) out[e] = cnt[e];
+}
+
+constexpr int kScanThreads = 1024;
+
+// Exclusive scan of v over the block (thread order); returns the total.
+__device__ int block_exclusive_scan(int& v) {
+  __shared__ int warp_tot[32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int x = v;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const int y = __shfl_up_sync(0xffffffffu, x, off);
+    if (lane >= off) x += y;
+  }
+  if (lane == 31) warp_tot[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    int w = lane < (blockDim.x >> 5) ? warp_tot[lane] : 0;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, w, off);
+      if (lane >= off) w += y;
+    }
+    warp_tot[lane] = w;  // inclusive
+  }
+  __syncthreads();
+  const int before = (warp > 0 ? warp_tot[warp - 1] : 0) + x - v;
+  const int total = warp_tot[(blockDim.x >> 5) - 1];
+  __syncthreads();
+  v = before;
+  return total;
+}
+
+__global__ void __launch_bounds__(kScanThreads) scan_kernel(PermuteParams p) {
+  __shared__ int offs[4097];   // expert row offsets (exclusive), then the total
+  __shared__ int toffs[4097];  // expert tile offsets
+  const int E = p.E_loc;
+  // Per expert: exclusive prefix over blocks (in place), total rows.
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    int run = 0;
+    for (int b = 0; b < p.num_blocks; ++b) {
+      int32_t* c = p.block_counts + static_cast<int64_t>(b) * E + e;
+      const int v = *c;
+      *c = run;
+      run += v;
+    }
+    offs[e] = run;
+  }
+  __syncthreads();
+  // Scan over experts: each thread a contiguous segment.
+  const int seg = (E + blockDim.x - 1) / blockDim.x;
+  const int lo = min(E, static_cast<int>(threadIdx.x) * seg), hi = min(E, lo + seg);
+  int rows = 0, tiles = 0;
+  for (int e = lo; e < hi; ++e) { rows += offs[e]; tiles += (offs[e] + p.bm - 1) / p.bm; }
+  const int total_rows = block_exclusive_scan(rows);
+  const int total_tiles = block_exclusive_scan(tiles);
+  for (int e = lo; e < hi; ++e) {
+    const int n = offs[e];
+    offs[e] = rows;
+    toffs[e] = tiles;
+    rows += n;
+    tiles += (n + p.bm - 1) / p.bm;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) { offs[E] = total_rows; toffs[E] = total_tiles; }
+  __syncthreads();
+  for (int e = threadIdx.x; e <= E; e += blockDim.x) p.expert_offsets[e] = offs[e];
+  // The tile list: tile q belongs to the last expert whose tile offset is <= q.
+  const int ntiles = min(total_tiles, p.max_tiles);  // the plan guarantees total_tiles <= max_tiles
+  if (threadIdx.x == 0) {
+    p.tile_info[2 * p.max_tiles] = ntiles;
+    if (total_tiles > p.max_tiles) atomicExch(p.error_flag, 2);
+  }
+  for (int q = threadIdx.x; q < ntiles; q += blockDim.x) {
+    int a = 0, b = E - 1;
+    while (a < b) {  // last e with toffs[e] <= q; at most log2(E)+1 steps
+      const int mid = (a + b + 1) >> 1;
+      if (toffs[mid] <= q) a = mid; else b = mid - 1;
+    }
+    p.tile_info[2 * q] = a;
+    p.tile_info[2 * q + 1] = offs[a] + (q - toffs[a]) * p.bm;
+  }
+}
+
+__global__ void place_kernel(PermuteParams p) {
+  extern __shared__ int next[];
+  const int lane = threadIdx.x;
+  const int32_t* base = p.block_counts + static_cast<int64_t>(blockIdx.x) * p.E_loc;
+  for (int e = lane; e < p.E_loc; e += 32) next[e] = p.expert_offsets[e] + base[e];
+  __syncwarp();
+  const int begin = blockIdx.x * p.entries_per_block;
+  const int end = min(begin + p.entries_per_block, p.rows);
+  const unsigned lt = (1u << lane) - 1u;
+  for (int i0 = begin; i0 < end; i0 += 32) {
+    const int i = i0 + lane;
+    const int e = i < end ? local_expert(p, i) : -1;
+    const int key = e >= 0 ? e : -1;
+    const unsigned peers = __match_any_sync(0xffffffffu, key);
+    int pos = 0;
+    if (key >= 0) pos = next[key] + __popc(peers & lt);
+    __syncwarp();
+    if (key >= 0) {
+      p.row_entry[pos] = i;
+      if ((peers >> lane) == 1u) next[key] += __popc(peers);  // the highest lane of the group advances it
+    }
+    __syncwarp();
+  }
+}
+
+}  // namespace
+
+void launch_permute(const PermuteParams& p, cudaStream_t stream) {
+  if (p.rows <= 0) return;
+  const size_t smem = static_cast<size_t>(p.E_loc) * sizeof(int);
+  count_kernel<<<p.num_blocks, 32, smem, stream>>>(p);
+  check_launch("count_kernel");
+  scan_kernel<<<1, kScanThreads, 0, stream>>>(p);
+  check_launch("scan_kernel");
+  place_kernel<<<p.num_blocks, 32, smem, stream>>>(p);
+  check_launch("place_kernel");
+}
+
+}  // namespace fp4moe::cuda_backend

@@ -1,0 +1,98 @@
+// Small element-wise kernels: the A4 NVFP4 quantizers (x before GEMM1, a before GEMM2) and the combine.
+#include "cuda/kernels.h"
+#include "cuda/nvfp4_device.cuh"
+
+namespace fp4moe::cuda_backend {
+namespace {
+
+// One block per row; one thread per 16-element block. Per-row scale: gs = 2688 / amax (amax over the
+// row, NaN when any element is NaN, as the reference), 1 when amax is 0 or not finite.
+__global__ void quantize_kernel(QuantizeParams p) {
+  const int row = blockIdx.x;
+  if (p.row_count && row >= *p.row_count) return;  // rows the permutation did not fill
+  const uint16_t* x = p.x + static_cast<int64_t>(row) * p.ldx;
+  uint16_t* y = p.out + static_cast<int64_t>(row) * p.K;
+  float gs = p.gs;
+  if (p.per_row_scale) {
+    __shared__ float red[32];
+    float amax = 0.f;
+    bool nan = false;
+    for (int i = threadIdx.x; i < p.K; i += blockDim.x) {
+      const float v = dev::bf16_to_f32(x[i]);
+      nan |= isnan(v);
+      amax = fmaxf(amax, fabsf(v));
+    }
+    if (__syncthreads_or(nan)) amax = NAN;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = amax;
+    __syncthreads();
+    amax = 0.f;
+    for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) amax = fmaxf(amax, red[w]);
+    if (isnan(amax) || isinf(amax) || amax == 0.f) {
+      gs = 1.f;
+    } else {
+      gs = __fdiv_rn(448.f * 6.f, amax);
+      if (isinf(gs)) gs = 3.402823466e38f;
+    }
+    if (threadIdx.x == 0 && p.out_scale) p.out_scale[row] = __fdiv_rn(1.f, gs);
+  } else if (threadIdx.x == 0 && p.out_scale) {
+    p.out_scale[row] = p.scale2;
+  }
+  for (int b = threadIdx.x; b < p.K / 16; b += blockDim.x) {
+    float v[16], q[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) v[i] = dev::bf16_to_f32(x[b * 16 + i]);
+    dev::fake_quant_block16(v, gs, q);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) y[b * 16 + i] = dev::f32_to_bf16(q[i]);  // exact: e2m1 * e4m3
+  }
+}
+
+// y_t = sum_j w_tj o_tj in slot order (+ shared), fp32 multiply then add (no FMA, as the reference),
+// rounded once to bf16. One thread per 4 outputs of a token.
+__global__ void combine_kernel(CombineParams p) {
+  const int64_t gid = static_cast<int64_t>(blockIdx.x);
+  const int t = static_cast<int>(gid / p.blocks_per_token);
+  const int h = (static_cast<int>(gid % p.blocks_per_token) * p.threads + threadIdx.x) * 4;
+  if (t >= p.T || h >= p.H) return;
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int j = 0; j < p.k; ++j) {
+    const int64_t entry = static_cast<int64_t>(t) * p.k + j;
+    const int e = p.ids[entry] - p.local_offset;
+    if (e < 0 || e >= p.E_loc) continue;  // another rank's expert, or a dropped bad id
+    const float w = p.weights[entry];
+    const float4 o = *reinterpret_cast<const float4*>(p.out + entry * p.H + h);
+    acc[0] = __fadd_rn(acc[0], __fmul_rn(w, o.x));
+    acc[1] = __fadd_rn(acc[1], __fmul_rn(w, o.y));
+    acc[2] = __fadd_rn(acc[2], __fmul_rn(w, o.z));
+    acc[3] = __fadd_rn(acc[3], __fmul_rn(w, o.w));
+  }
+  if (p.shared_out) {
+    const float4 s = *reinterpret_cast<const float4*>(p.shared_out + static_cast<int64_t>(t) * p.H + h);
+    acc[0] = __fadd_rn(acc[0], s.x);
+    acc[1] = __fadd_rn(acc[1], s.y);
+    acc[2] = __fadd_rn(acc[2], s.z);
+    acc[3] = __fadd_rn(acc[3], s.w);
+  }
+  uint16_t* y = p.y + static_cast<int64_t>(t) * p.H + h;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) y[i] = dev::f32_to_bf16(__fadd_rn(acc[i], 0.f));  // + the (zero) LoRA delta
+}
+
+}  // namespace
+
+void launch_quantize(const QuantizeParams& p, cudaStream_t stream) {
+  if (p.rows <= 0) return;
+  quantize_kernel<<<p.rows, 128, 0, stream>>>(p);
+  check_launch("quantize_kernel");
+}
+
+void launch_combine(const CombineParams& p, cudaStream_t stream) {
+  if (p.T <= 0) return;
+  const int64_t blocks = static_cast<int64_t>(p.T) * p.blocks_per_token;
+  combine_kernel<<<static_cast<unsigned>(blocks), p.threads, 0, stream>>>(p);
+  check_launch("combine_kernel");
+}
+
+}  // namespace fp4moe::cuda_backend

@@ -1,0 +1,155 @@
+// make_plan: tile configuration, launch grids and workspace layout of the CUDA backend, on the host.
+// Every kernel bound (grid sizes, loop trip counts, buffer sizes) derives from the numbers chosen here;
+// tests/cpp/test_plan.cpp sweeps shapes and checks the invariants the kernels rely on.
+#include "fp4moe/plan.h"
+
+#include <algorithm>
+#include <string>
+
+namespace fp4moe {
+namespace {
+
+[[noreturn]] void bad(const char* arg, const std::string& what) { throw Error(ErrorCode::InvalidArgument, arg, what); }
+[[noreturn]] void unsupported(const char* arg, const std::string& what) { throw Error(ErrorCode::Unsupported, arg, what); }
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
+
+// Lays out buffers one after the other, each aligned to kWorkspaceAlign; zero-size buffers get offset 0.
+struct Layout {
+  size_t end = 0;
+  WorkspaceBuffer take(int64_t bytes) {
+    WorkspaceBuffer b;
+    if (bytes <= 0) return b;
+    b.offset = end;
+    b.bytes = static_cast<size_t>(bytes);
+    end = static_cast<size_t>(round_up(static_cast<int64_t>(end) + bytes, kWorkspaceAlign));
+    return b;
+  }
+};
+
+void check_shape(const ProblemShape& s) {
+  const auto in_range = [](int64_t v, int64_t lo, int64_t hi) { return v >= lo && v <= hi; };
+  if (s.T < 0) bad("T", "expected T >= 0, got " + std::to_string(s.T));
+  if (s.T > kMaxTokens) unsupported("T", "at most " + std::to_string(kMaxTokens) + " tokens, got " + std::to_string(s.T));
+  if (s.H < 16 || s.H % 16) bad("H", "expected a positive multiple of 16, got " + std::to_string(s.H));
+  if (s.I < 16 || s.I % 16) bad("I", "expected a positive multiple of 16, got " + std::to_string(s.I));
+  if (s.H > kMaxHidden) unsupported("H", "at most " + std::to_string(kMaxHidden) + ", got " + std::to_string(s.H));
+  if (s.I > kMaxHidden) unsupported("I", "at most " + std::to_string(kMaxHidden) + ", got " + std::to_string(s.I));
+  if (s.E_loc < 1) bad("E_loc", "expected >= 1 local expert, got " + std::to_string(s.E_loc));
+  if (s.E_loc > kMaxLocalExperts)
+    unsupported("E_loc", "at most " + std::to_string(kMaxLocalExperts) + " local experts, got " + std::to_string(s.E_loc));
+  const int64_t E_total = s.E_total == 0 ? s.E_loc : s.E_total;
+  if (E_total < s.E_loc) bad("num_experts_total", "expected >= E_loc, got " + std::to_string(E_total));
+  if (E_total > (int64_t(1) << 30)) unsupported("num_experts_total", "too many experts: " + std::to_string(E_total));
+  if (!in_range(s.k, 1, E_total)) bad("routing.top_k", "expected 1 <= top_k <= " + std::to_string(E_total) + ", got " + std::to_string(s.k));
+  if (s.k > kMaxTopK) unsupported("routing.top_k", "at most " + std::to_string(kMaxTopK) + ", got " + std::to_string(s.k));
+  if (s.routing_from_logits && E_total > kMaxExpertsRouting)
+    unsupported("routing.logits", "device routing keeps at most " + std::to_string(kMaxExpertsRouting) +
+                                      " experts per token, got " + std::to_string(E_total));
+  if (s.routing_from_logits && (s.n_group < 1 || s.n_group > kMaxGroups))
+    unsupported("routing.n_group", "expected 1 <= n_group <= " + std::to_string(kMaxGroups) + ", got " + std::to_string(s.n_group));
+  if (is_gated(s.activation) != s.gated)
+    bad("activation.type", std::string(to_string(s.activation)) + (s.gated ? " is not gated" : " is gated") +
+                               " but the weights are " + (s.gated ? "gated" : "not gated"));
+  if (s.mode != ActMode::A16 && s.mode != ActMode::A4) bad("mode", "expected A16 or A4");
+  if (s.format != WeightFormat::NVFP4 && s.format != WeightFormat::BF16) bad("format", "expected NVFP4 or BF16");
+  if (s.has_shared && (s.shared_I < 16 || s.shared_I % 16))
+    bad("shared_expert", "intermediate size must be a positive multiple of 16, got " + std::to_string(s.shared_I));
+  if (s.has_shared && s.shared_I > kMaxHidden) unsupported("shared_expert", "intermediate size too large");
+  if (s.has_lora && (s.max_lora_rank < 0 || s.max_lora_rank > 64 * 2))
+    bad("adapters", "LoRA rank out of range: " + std::to_string(s.max_lora_rank));
+  if (s.workspace_budget < 0) bad("workspace_budget", "expected >= 0");
+}
+
+}  // namespace
+
+MoePlan make_plan(const ProblemShape& shape) {
+  check_shape(shape);
+  MoePlan p;
+  p.shape = shape;
+  ProblemShape& s = p.shape;
+  if (s.E_total == 0) s.E_total = s.E_loc;
+  if (s.workspace_budget == 0) s.workspace_budget = kDefaultWorkspaceBudget;
+  const int64_t H = s.H, I = s.I, k = s.k;
+  p.n1 = s.gated ? 2 * I : I;
+
+  // Bytes per token of the token-proportional buffers (an upper estimate; the layout below is exact).
+  int64_t per_token = k * (4 + 4 + 4) + k * I * 2 + k * H * 4 + k * 2 /* tiles, perm counters */;
+  if (s.mode == ActMode::A4) per_token += H * 2 + 4;
+  if (s.has_shared) per_token += s.shared_I * 2 + H * 4;
+  // Rows (token, slot) of one chunk stay below 2^30 so every row index fits int32 with room to spare.
+  const int64_t max_chunk_rows = int64_t(1) << 30;
+  int64_t chunk = std::max<int64_t>(1, s.workspace_budget / per_token);
+  chunk = std::min(chunk, max_chunk_rows / k);
+  p.chunk_tokens = std::min(chunk, s.T);
+  p.num_chunks = s.T == 0 ? 0 : ceil_div(s.T, p.chunk_tokens);
+  p.rows = p.chunk_tokens * k;
+
+  // Routing: one warp per token; per warp the selection scores [E_total] and group scores [64].
+  const int64_t routing_floats = s.E_total + kMaxGroups;
+  p.routing_warps_per_block = routing_floats * 4 * 4 <= 48 * 1024 ? 4 : (routing_floats * 4 * 2 <= 48 * 1024 ? 2 : 1);
+  p.routing_smem = static_cast<size_t>(routing_floats * 4 * p.routing_warps_per_block);
+  p.routing_blocks = ceil_div(p.chunk_tokens, p.routing_warps_per_block);
+
+  // Permutation: one warp per block of entries, at most ~1024 blocks so the scan stays short.
+  p.perm_entries = static_cast<int>(std::max<int64_t>(256, round_up(ceil_div(p.rows, 1024), 32)));
+  p.perm_blocks = ceil_div(p.rows, p.perm_entries);
+  p.perm_smem = static_cast<size_t>(s.E_loc * 4);
+
+  // GEMM tile: by the expected rows per expert (any choice gives the same bits: no split-K, fixed
+  // K order, so the choice may depend on T without breaking batch invariance).
+  const int64_t avg_rows = ceil_div(p.rows, s.E_loc);
+  p.gemm_config = avg_rows <= 16 ? 0 : (avg_rows <= 64 ? 1 : 2);
+  p.gemm = kGemmConfigs[p.gemm_config];
+  const GemmConfig& g = p.gemm;
+  p.k1_pad = round_up(H, g.bk);
+  p.k2_pad = round_up(I, g.bk);
+  p.n1_tiles = ceil_div(p.n1, g.bn);
+  p.n2_tiles = ceil_div(H, g.bn);
+  // sum_e ceil(c_e / bm) <= ceil(rows / bm) + (number of non-empty experts) <= ceil(rows/bm) + min(E_loc, rows).
+  p.max_m_tiles = p.rows == 0 ? 0 : ceil_div(p.rows, g.bm) + std::min<int64_t>(s.E_loc, p.rows);
+  if (s.has_shared) {
+    p.shared_n1 = s.gated ? 2 * s.shared_I : s.shared_I;
+    p.shared_n1_tiles = ceil_div(p.shared_n1, g.bn);
+    p.shared_m_tiles = ceil_div(p.chunk_tokens, g.bm);
+    p.shared_k2_pad = round_up(s.shared_I, g.bk);
+  }
+  const int64_t b_stage = s.format == WeightFormat::NVFP4 ? g.bn * (g.bk / 2 + g.bk / 16) : g.bn * g.bk * 2;
+  p.gemm_smem = static_cast<size_t>(g.stages * (g.bm * g.bk * 2 + b_stage));
+  if (p.max_m_tiles > 0x7fffffff || p.shared_m_tiles > 0x7fffffff)
+    unsupported("T", "too many row tiles for one launch");
+  if (p.n1_tiles > 65535 || p.n2_tiles > 65535 || p.shared_n1_tiles > 65535) unsupported("H", "too many column tiles");
+
+  p.combine_threads = 128;
+  p.combine_blocks_per_token = ceil_div(H / 4, p.combine_threads);
+  p.quant_threads = 128;
+
+  // Workspace.
+  Layout L;
+  const int64_t Tc = p.chunk_tokens, R = p.rows;
+  if (s.routing_from_logits) {
+    p.topk_ids = L.take(Tc * k * 4);
+    p.topk_weights = L.take(Tc * k * 4);
+  }
+  p.block_counts = L.take(p.perm_blocks * s.E_loc * 4);
+  p.expert_offsets = L.take(R == 0 ? 0 : (s.E_loc + 1) * 4);
+  p.tile_info = L.take(R == 0 ? 0 : (p.max_m_tiles * 2 + 1) * 4);
+  p.row_entry = L.take(R * 4);
+  if (s.mode == ActMode::A4) {
+    p.x_q = L.take(Tc * H * 2);
+    p.x_scale = L.take(Tc * 4);
+  }
+  p.act = L.take(R * I * 2);
+  p.out = L.take(R * H * 4);
+  if (s.has_shared) {
+    p.shared_act = L.take(Tc * s.shared_I * 2);
+    p.shared_out = L.take(Tc * H * 4);
+  }
+  p.workspace_bytes = L.end;
+  return p;
+}
+
+size_t workspace_size(const ProblemShape& shape) { return make_plan(shape).workspace_bytes; }
+
+}  // namespace fp4moe

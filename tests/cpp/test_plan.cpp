@@ -1,0 +1,274 @@
+// make_plan / workspace_size (include/fp4moe/plan.h): a CPU sweep over thousands of shapes asserting
+// every invariant the CUDA kernels rely on, and the refusals of shapes they cannot take.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <random>
+#include <vector>
+
+#include "fp4moe/plan.h"
+
+namespace fp4moe {
+namespace {
+
+constexpr ActivationType kGatedActs[] = {ActivationType::Swiglu, ActivationType::Geglu, ActivationType::SwigluBias,
+                                         ActivationType::SwigluStep, ActivationType::GegluTanh, ActivationType::Situ};
+constexpr ActivationType kPlainActs[] = {ActivationType::Gelu, ActivationType::Relu, ActivationType::Silu,
+                                         ActivationType::Relu2, ActivationType::Identity};
+
+int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Checks every invariant of one plan; returns false (with gtest failures recorded) when one breaks.
+void check_plan(const ProblemShape& s, std::mt19937_64& rng) {
+  SCOPED_TRACE(::testing::Message() << "T=" << s.T << " H=" << s.H << " I=" << s.I << " E_loc=" << s.E_loc
+                                    << " E_total=" << s.E_total << " k=" << s.k << " gated=" << s.gated
+                                    << " A4=" << (s.mode == ActMode::A4) << " bf16=" << (s.format == WeightFormat::BF16)
+                                    << " shared=" << s.has_shared << " budget=" << s.workspace_budget);
+  const MoePlan p = make_plan(s);
+  ASSERT_EQ(workspace_size(s), p.workspace_bytes);
+  const int64_t T = s.T, k = s.k, H = s.H, I = s.I, E = s.E_loc;
+
+  // Chunks cover all tokens, none is empty, and T = 0 launches nothing.
+  if (T == 0) {
+    EXPECT_EQ(p.num_chunks, 0);
+    EXPECT_EQ(p.rows, 0);
+    EXPECT_EQ(p.max_m_tiles, 0);
+  } else {
+    ASSERT_GE(p.chunk_tokens, 1);
+    EXPECT_LE(p.chunk_tokens, T);
+    EXPECT_GE(p.num_chunks * p.chunk_tokens, T);
+    EXPECT_LT((p.num_chunks - 1) * p.chunk_tokens, T);
+    EXPECT_EQ(p.rows, p.chunk_tokens * k);
+    EXPECT_LT(p.rows, int64_t(1) << 31);
+  }
+
+  // Routing grid covers the chunk's tokens; shared memory within the default 48 KiB.
+  if (T > 0 && s.routing_from_logits) {
+    EXPECT_GE(p.routing_blocks * p.routing_warps_per_block, p.chunk_tokens);
+    EXPECT_GE(p.routing_smem, static_cast<size_t>((p.shape.E_total + kMaxGroups) * 4 * p.routing_warps_per_block));
+    EXPECT_LE(p.routing_smem, 48u * 1024u);
+  }
+
+  // Permutation blocks cover all entries with whole warps.
+  if (T > 0) {
+    EXPECT_EQ(p.perm_entries % 32, 0);
+    EXPECT_GE(p.perm_blocks * p.perm_entries, p.rows);
+    EXPECT_LT((p.perm_blocks - 1) * p.perm_entries, p.rows);
+    EXPECT_LE(p.perm_blocks, 1025);
+    EXPECT_EQ(p.perm_smem, static_cast<size_t>(E * 4));
+    EXPECT_LE(p.perm_smem, 48u * 1024u);
+  }
+
+  // GEMM tiles cover N and K; the tile fits the warp grid; shared memory within the sm_90 limit.
+  const GemmConfig& g = p.gemm;
+  EXPECT_EQ(g.bk, 64);  // the prepared weight layout is blocked by 64 along K
+  EXPECT_EQ(g.bm % (16 * g.warps_m), 0);
+  EXPECT_EQ(g.bn % (32 * g.warps_n), 0);
+  EXPECT_LE(g.threads(), 1024);
+  EXPECT_LE(p.gemm_smem, 227u * 1024u);
+  EXPECT_EQ(p.n1, s.gated ? 2 * I : I);
+  EXPECT_GE(p.n1_tiles * g.bn, p.n1);
+  EXPECT_LT((p.n1_tiles - 1) * g.bn, p.n1);
+  EXPECT_GE(p.n2_tiles * g.bn, H);
+  EXPECT_EQ(p.k1_pad % g.bk, 0);
+  EXPECT_GE(p.k1_pad, H);
+  EXPECT_LT(p.k1_pad, H + g.bk);
+  EXPECT_EQ(p.k2_pad % g.bk, 0);
+  EXPECT_GE(p.k2_pad, I);
+  EXPECT_LE(p.n1_tiles, 65535);
+  EXPECT_LE(p.n2_tiles, 65535);
+  EXPECT_LE(p.max_m_tiles, 0x7fffffff);
+  if (s.has_shared && T > 0) {
+    EXPECT_GE(p.shared_m_tiles * g.bm, p.chunk_tokens);
+    EXPECT_GE(p.shared_n1_tiles * g.bn, p.shared_n1);
+    EXPECT_GE(p.shared_k2_pad, s.shared_I);
+  }
+
+  // max_m_tiles bounds sum_e ceil(c_e / bm) for any split of the chunk's entries over the experts:
+  // adversarial splits (one entry in as many experts as possible, the rest in one) and random ones.
+  if (T > 0) {
+    const int64_t R = p.rows, bm = g.bm;
+    const int64_t ones = std::min(E, R);
+    const int64_t worst = (ones - 1) + cdiv(R - (ones - 1), bm);
+    EXPECT_LE(worst, p.max_m_tiles);
+    std::vector<int64_t> c(static_cast<size_t>(E), 0);
+    std::uniform_int_distribution<int64_t> pick(0, E - 1);
+    const int64_t local = std::uniform_int_distribution<int64_t>(0, R)(rng);  // some entries not local
+    for (int64_t i = 0; i < std::min<int64_t>(local, 20000); ++i) c[pick(rng)]++;
+    if (local > 20000) c[0] += local - 20000;
+    int64_t tiles = 0;
+    for (int64_t v : c) tiles += cdiv(v, bm);
+    EXPECT_LE(tiles, p.max_m_tiles);
+    // Every (bm-aligned) tile's rows lie within the row buffer.
+    EXPECT_GE(static_cast<int64_t>(p.row_entry.bytes), R * 4);
+  }
+
+  // Combine covers H with 4 outputs per thread.
+  EXPECT_EQ(H % 4, 0);
+  EXPECT_GE(p.combine_blocks_per_token * p.combine_threads * 4, H);
+
+  // Workspace: aligned, large enough, inside the total, pairwise disjoint.
+  const int64_t Tc = p.chunk_tokens, R = p.rows;
+  struct Need { const WorkspaceBuffer* b; int64_t bytes; const char* name; };
+  std::vector<Need> needs = {
+      {&p.topk_ids, s.routing_from_logits ? Tc * k * 4 : 0, "topk_ids"},
+      {&p.topk_weights, s.routing_from_logits ? Tc * k * 4 : 0, "topk_weights"},
+      {&p.block_counts, T > 0 ? p.perm_blocks * E * 4 : 0, "block_counts"},
+      {&p.expert_offsets, T > 0 ? (E + 1) * 4 : 0, "expert_offsets"},
+      {&p.tile_info, T > 0 ? (p.max_m_tiles * 2 + 1) * 4 : 0, "tile_info"},
+      {&p.row_entry, R * 4, "row_entry"},
+      {&p.x_q, s.mode == ActMode::A4 ? Tc * H * 2 : 0, "x_q"},
+      {&p.x_scale, s.mode == ActMode::A4 ? Tc * 4 : 0, "x_scale"},
+      {&p.act, R * I * 2, "act"},
+      {&p.out, R * H * 4, "out"},
+      {&p.shared_act, s.has_shared ? Tc * s.shared_I * 2 : 0, "shared_act"},
+      {&p.shared_out, s.has_shared ? Tc * H * 4 : 0, "shared_out"},
+  };
+  for (const Need& n : needs) {
+    SCOPED_TRACE(n.name);
+    EXPECT_GE(static_cast<int64_t>(n.b->bytes), n.bytes);
+    EXPECT_EQ(n.b->offset % kWorkspaceAlign, 0u);
+    EXPECT_LE(n.b->offset + n.b->bytes, p.workspace_bytes);
+  }
+  for (size_t a = 0; a < needs.size(); ++a)
+    for (size_t b = a + 1; b < needs.size(); ++b) {
+      const WorkspaceBuffer &x = *needs[a].b, &y = *needs[b].b;
+      if (x.bytes == 0 || y.bytes == 0) continue;
+      EXPECT_TRUE(x.offset + x.bytes <= y.offset || y.offset + y.bytes <= x.offset)
+          << needs[a].name << " overlaps " << needs[b].name;
+    }
+  if (T == 0) { EXPECT_EQ(p.workspace_bytes, 0u); }
+  // Token-proportional buffers respect the budget whenever more than one token per chunk was possible.
+  if (p.chunk_tokens > 1) { EXPECT_LE(static_cast<int64_t>(p.out.bytes + p.act.bytes), p.shape.workspace_budget); }
+}
+
+ProblemShape random_shape(std::mt19937_64& rng, int64_t H, int64_t I, int64_t T) {
+  ProblemShape s;
+  s.T = T;
+  s.H = H;
+  s.I = I;
+  std::uniform_int_distribution<int> coin(0, 1);
+  const int64_t E_opts[] = {1, 2, 8, 32, 64, 128, 256, 384, 4096};
+  s.E_loc = E_opts[std::uniform_int_distribution<int>(0, 8)(rng)];
+  s.E_total = coin(rng) ? s.E_loc : s.E_loc * std::uniform_int_distribution<int64_t>(1, 8)(rng);
+  s.k = std::uniform_int_distribution<int64_t>(1, std::min<int64_t>(s.E_total, 16))(rng);
+  s.gated = coin(rng);
+  s.activation = s.gated ? kGatedActs[rng() % 6] : kPlainActs[rng() % 5];
+  s.mode = coin(rng) ? ActMode::A4 : ActMode::A16;
+  s.format = coin(rng) ? WeightFormat::BF16 : WeightFormat::NVFP4;
+  s.routing_from_logits = coin(rng) && s.E_total <= kMaxExpertsRouting;
+  s.has_shared = coin(rng);
+  s.shared_I = 16 * std::uniform_int_distribution<int64_t>(1, 256)(rng);
+  if (rng() % 4 == 0) s.workspace_budget = std::uniform_int_distribution<int64_t>(1, int64_t(64) << 20)(rng);
+  return s;
+}
+
+TEST(Plan, SweepEveryHiddenSize) {
+  std::mt19937_64 rng(1234);
+  const int64_t Ts[] = {0, 1, 2, 3, 7, 8, 64, 257, 1024, 4096, 65536};
+  for (int64_t H = 16; H <= 16384; H += 16) {
+    const int64_t I = 16 * std::uniform_int_distribution<int64_t>(1, 1024)(rng);
+    const int64_t T = rng() % 3 ? Ts[rng() % 11] : std::uniform_int_distribution<int64_t>(0, 65536)(rng);
+    check_plan(random_shape(rng, H, I, T), rng);
+    if (HasFatalFailure()) return;
+  }
+}
+
+TEST(Plan, SweepEveryIntermediateSize) {
+  std::mt19937_64 rng(99);
+  for (int64_t I = 16; I <= 16384; I += 16) {
+    const int64_t H = 16 * std::uniform_int_distribution<int64_t>(1, 1024)(rng);
+    const int64_t T = std::uniform_int_distribution<int64_t>(0, 65536)(rng);
+    check_plan(random_shape(rng, H, I, T), rng);
+    if (HasFatalFailure()) return;
+  }
+}
+
+TEST(Plan, ModelShapesAllTokenCounts) {
+  std::mt19937_64 rng(7);
+  struct M { int64_t H, I, E, k; bool gated; ActivationType a; };
+  const M models[] = {{3584, 384, 384, 8, true, ActivationType::Situ},   {2048, 768, 128, 8, true, ActivationType::Swiglu},
+                      {2048, 192, 128, 8, true, ActivationType::Swiglu}, {7168, 2048, 32, 8, true, ActivationType::Swiglu},
+                      {4096, 14336, 8, 2, true, ActivationType::Swiglu}, {2880, 2880, 128, 4, true, ActivationType::SwigluBias},
+                      {1040, 1040, 16, 4, false, ActivationType::Relu2}};
+  for (const M& m : models)
+    for (int64_t T = 0; T <= 65536; T = T < 16 ? T + 1 : T * 2 + (T % 3)) {
+      for (int mode = 0; mode < 2; ++mode) {
+        ProblemShape s;
+        s.T = T; s.H = m.H; s.I = m.I; s.E_loc = m.E; s.E_total = m.E == 32 ? 256 : m.E; s.k = m.k;
+        s.gated = m.gated; s.activation = m.a; s.mode = mode ? ActMode::A4 : ActMode::A16;
+        s.has_shared = mode == 1; s.shared_I = m.I;
+        check_plan(s, rng);
+        if (HasFatalFailure()) return;
+      }
+    }
+}
+
+TEST(Plan, RandomShapes) {
+  std::mt19937_64 rng(42);
+  for (int i = 0; i < 3000; ++i) {
+    const int64_t H = 16 * std::uniform_int_distribution<int64_t>(1, 1024)(rng);
+    const int64_t I = 16 * std::uniform_int_distribution<int64_t>(1, 1024)(rng);
+    const int64_t T = std::uniform_int_distribution<int64_t>(0, 65536)(rng);
+    check_plan(random_shape(rng, H, I, T), rng);
+    if (HasFatalFailure()) return;
+  }
+}
+
+TEST(Plan, SmallBudgetForcesChunks) {
+  std::mt19937_64 rng(3);
+  ProblemShape s;
+  s.T = 4096; s.H = 3584; s.I = 384; s.E_loc = 384; s.k = 8; s.gated = true; s.activation = ActivationType::Situ;
+  s.workspace_budget = 8 << 20;
+  const MoePlan p = make_plan(s);
+  EXPECT_GT(p.num_chunks, 1);
+  check_plan(s, rng);
+  s.workspace_budget = 1;  // less than one token: still one token per chunk
+  const MoePlan q = make_plan(s);
+  EXPECT_EQ(q.chunk_tokens, 1);
+  EXPECT_EQ(q.num_chunks, 4096);
+}
+
+TEST(Plan, RefusesShapesTheKernelsCannotTake) {
+  ProblemShape ok;
+  ok.T = 8; ok.H = 2880; ok.I = 2880; ok.E_loc = 128; ok.k = 4; ok.gated = true; ok.activation = ActivationType::SwigluBias;
+  EXPECT_NO_THROW(make_plan(ok));
+  auto s = ok;
+  for (int64_t h : {0, 8, 24 + 1, 2881, 1000}) {
+    s = ok; s.H = h;
+    if (h % 16 == 0 && h > 0) continue;
+    try { (void)make_plan(s); ADD_FAILURE() << "H=" << h; } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::InvalidArgument); EXPECT_EQ(e.argument(), "H");
+    }
+  }
+  for (int64_t i : {0, 8, 40, 2888 + 1}) {
+    s = ok; s.I = i;
+    if (i % 16 == 0 && i > 0) continue;
+    try { (void)make_plan(s); ADD_FAILURE() << "I=" << i; } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::InvalidArgument); EXPECT_EQ(e.argument(), "I");
+    }
+  }
+  s = ok; s.T = -1;
+  try { (void)make_plan(s); ADD_FAILURE(); } catch (const Error& e) { EXPECT_EQ(e.argument(), "T"); }
+  s = ok; s.k = 0;
+  try { (void)make_plan(s); ADD_FAILURE(); } catch (const Error& e) { EXPECT_EQ(e.argument(), "routing.top_k"); }
+  s = ok; s.E_loc = 1024; s.E_total = 1024; s.k = 65;
+  try { (void)make_plan(s); ADD_FAILURE(); } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::Unsupported); EXPECT_EQ(e.argument(), "routing.top_k");
+  }
+  s = ok; s.E_total = 64;
+  try { (void)make_plan(s); ADD_FAILURE(); } catch (const Error& e) { EXPECT_EQ(e.argument(), "num_experts_total"); }
+  s = ok; s.E_total = 8192; s.routing_from_logits = true;
+  try { (void)make_plan(s); ADD_FAILURE(); } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::Unsupported); EXPECT_EQ(e.argument(), "routing.logits");
+  }
+  s.routing_from_logits = false;
+  EXPECT_NO_THROW(make_plan(s));
+  s = ok; s.activation = ActivationType::Relu;
+  try { (void)make_plan(s); ADD_FAILURE(); } catch (const Error& e) { EXPECT_EQ(e.argument(), "activation.type"); }
+  s = ok; s.has_shared = true; s.shared_I = 20;
+  try { (void)make_plan(s); ADD_FAILURE(); } catch (const Error& e) { EXPECT_EQ(e.argument(), "shared_expert"); }
+}
+
+}  // namespace
+}  // namespace fp4moe

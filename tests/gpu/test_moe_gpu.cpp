@@ -1,0 +1,421 @@
+// GPU tests of the CUDA backend against the CPU reference (the oracle). Each test skips with
+// "no CUDA device" when there is none. Lines starting with "STAT" are collected by tools/device/.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <map>
+#include <random>
+
+#include "fp4moe/plan.h"
+#include "gpu_harness.h"
+
+namespace fp4moe::gputest {
+namespace {
+
+constexpr double kRelL2A16 = 1e-2, kCosA16 = 0.9999;
+constexpr double kRelL2A4 = 3e-2, kCosA4 = 0.999;  // vs the Fp32 reference (same rounding points)
+
+ModelShape model(const char* name) {
+  const ModelShape* m = find_model_shape(name);
+  if (!m) std::abort();
+  return *m;
+}
+
+// Reference tokens for a shape: about 1.5 G multiply-adds of fp64 reference work per check.
+int64_t ref_tokens(const ModelShape& s, int64_t cap = 16) {
+  const double per_token = static_cast<double>(s.k) * 3.0 * s.H * s.I;
+  return std::max<int64_t>(2, std::min<int64_t>(cap, static_cast<int64_t>(1.5e9 / per_token)));
+}
+
+// Runs one case on the GPU and against the reference; returns the errors (and checks them).
+Errors check_case(const Case& c, const Layer* given_layer, const char* label, bool print = true) {
+  std::unique_ptr<Layer> own;
+  if (!given_layer) own = make_layer(c);
+  const Layer* layer = given_layer ? given_layer : own.get();
+  Inputs in = make_inputs(c);
+  auto call = make_gpu_call(c, in, *layer);
+  const std::vector<uint16_t> y = run_gpu(layer->gpu, *call);
+  EXPECT_EQ(count_poison(y), 0) << label << ": elements of y not written";
+  const auto toks = check_tokens(c.T, c.check_tokens);
+  const bool a4 = c.mode == ActMode::A4;
+  std::vector<uint16_t> ref_act;
+  const std::vector<double> ref = run_reference(c, in, *layer, toks, a4 ? Precision::Fp32 : Precision::Fp64,
+                                                c.act_out ? &ref_act : nullptr);
+  const Errors e = compare(y, ref, toks, in.H);
+  EXPECT_EQ(e.nonfinite, 0) << label;
+  EXPECT_LE(e.rel_l2, a4 ? kRelL2A4 : kRelL2A16) << label;
+  EXPECT_GE(e.cosine, a4 ? kCosA4 : kCosA16) << label;
+  if (c.act_out) {
+    const std::vector<uint16_t> got = call->act_out.download<uint16_t>();
+    EXPECT_EQ(count_poison(got), 0) << label << ": activation_out not fully written";
+    const int64_t slot = in.k * c.shape.I;
+    double num = 0, den = 0;
+    for (size_t i = 0; i < toks.size(); ++i)
+      for (int64_t q = 0; q < slot; ++q) {
+        const double g = bf16_bits_to_f32(got[toks[i] * slot + q]), r = bf16_bits_to_f32(ref_act[i * slot + q]);
+        num += (g - r) * (g - r);
+        den += r * r;
+      }
+    EXPECT_LE(std::sqrt(num / std::max(den, 1e-30)), 1e-2) << label << ": activation_out";
+  }
+  if (print)
+    std::printf("STAT %-40s T=%-5lld relL2=%.3e cos=%.8f maxabs=%.3e\n", label, static_cast<long long>(c.T), e.rel_l2,
+                e.cosine, e.max_abs);
+  return e;
+}
+
+// ---- every model shape of SPEC §1 x T, with its own activation and routing --------------------------
+void model_sweep(const char* name, int64_t E_loc, int64_t E_total, int64_t offset, bool shared) {
+  const int64_t Ts[] = {0, 1, 3, 8, 64, 257, 1024, 4096};
+  std::unique_ptr<Layer> layer;  // one layer for all T (the synthetic weights are expensive to make)
+  for (int64_t T : Ts) {
+    Case c;
+    c.shape = model(name);
+    c.E_loc = E_loc;
+    c.E_total = E_total;
+    c.offset = offset;
+    c.T = T;
+    c.shared = shared;
+    c.shared_I = c.shape.I;
+    c.seed = 1000;
+    c.check_tokens = ref_tokens(c.shape);
+    if (!layer) layer = make_layer(c);
+    const std::string label = std::string(name) + " A16 nvfp4";
+    if (T == 0) {
+      // T = 0 is legal: nothing is launched, nothing written.
+      Inputs in = make_inputs(c);
+      auto call = make_gpu_call(c, in, *layer);
+      EXPECT_NO_THROW(moe_run(layer->gpu, call->args));
+      continue;
+    }
+    check_case(c, layer.get(), label.c_str());
+    if (::testing::Test::HasFailure()) return;
+  }
+}
+
+TEST(GpuModels, KimiK3Tp8) { FP4MOE_SKIP_WITHOUT_GPU(); model_sweep("kimi_k3_tp8", 32, 32, 0, true); }
+TEST(GpuModels, Qwen3_30bA3b) { FP4MOE_SKIP_WITHOUT_GPU(); model_sweep("qwen3_30b_a3b", 16, 16, 0, false); }
+TEST(GpuModels, Qwen3_30bA3bTp4) { FP4MOE_SKIP_WITHOUT_GPU(); model_sweep("qwen3_30b_a3b_tp4", 16, 16, 0, false); }
+TEST(GpuModels, DeepseekV3Ep8) { FP4MOE_SKIP_WITHOUT_GPU(); model_sweep("deepseek_v3_ep8", 8, 64, 16, false); }
+TEST(GpuModels, Mixtral8x7b) { FP4MOE_SKIP_WITHOUT_GPU(); model_sweep("mixtral_8x7b", 8, 8, 0, false); }
+TEST(GpuModels, GptOss120b) { FP4MOE_SKIP_WITHOUT_GPU(); model_sweep("gpt_oss_120b", 16, 16, 0, false); }
+
+// ---- every activation x A16/A4 x NVFP4/bf16 on kimi_k3_tp8 and gpt_oss_120b ----------------------------
+constexpr ActivationType kAllActs[] = {
+    ActivationType::Gelu,     ActivationType::Relu,       ActivationType::Silu,      ActivationType::Swiglu,
+    ActivationType::Geglu,    ActivationType::SwigluBias, ActivationType::Relu2,     ActivationType::SwigluStep,
+    ActivationType::GegluTanh, ActivationType::Identity,  ActivationType::Situ};
+
+void activation_matrix(const char* name, int64_t T) {
+  std::map<std::string, double> worst;
+  for (ActivationType at : kAllActs)
+    for (int mode = 0; mode < 2; ++mode)
+      for (int fmt = 0; fmt < 2; ++fmt) {
+        Case c;
+        c.shape = model(name);
+        c.shape.activation = at;
+        c.shape.alpha = 1.f; c.shape.beta = 0.f; c.shape.clamp_limit = 0.f;
+        if (at == ActivationType::Situ) { c.shape.alpha = 4.f; c.shape.beta = 25.f; }
+        if (at == ActivationType::SwigluBias) { c.shape.alpha = 1.702f; c.shape.beta = 1.f; c.shape.clamp_limit = 7.f; }
+        if (at == ActivationType::SwigluStep) c.shape.clamp_limit = 7.f;
+        c.E_loc = c.E_total = std::string(name) == "gpt_oss_120b" ? 4 : 8;  // fewer experts: faster reference
+        c.T = T;
+        c.mode = mode ? ActMode::A4 : ActMode::A16;
+        c.format = fmt ? WeightFormat::BF16 : WeightFormat::NVFP4;
+        c.bias = fmt == 1;
+        c.order = mode ? GateUpOrder::UpFirst : GateUpOrder::GateFirst;
+        c.delta = c.act_out = (mode == 0 && fmt == 0);
+        c.per_token_x_scale = mode == 1 && fmt == 1;
+        c.seed = 7 + static_cast<int>(at) * 4 + mode * 2 + fmt;
+        c.check_tokens = T;
+        const std::string label = std::string(name) + " " + to_string(at) + (mode ? " A4" : " A16") + (fmt ? " bf16" : " nvfp4");
+        const Errors e = check_case(c, nullptr, label.c_str());
+        std::string key = std::string(to_string(at)) + (mode ? " A4" : " A16");
+        worst[key] = std::max(worst[key], e.rel_l2);
+      }
+  for (const auto& [k, v] : worst) std::printf("STAT worst %-12s %-24s relL2=%.3e\n", name, k.c_str(), v);
+}
+
+TEST(GpuActivations, KimiShapeAll) { FP4MOE_SKIP_WITHOUT_GPU(); activation_matrix("kimi_k3_tp8", 12); }
+TEST(GpuActivations, GptOssShapeAll) { FP4MOE_SKIP_WITHOUT_GPU(); activation_matrix("gpt_oss_120b", 6); }
+
+// ---- determinism: calls, streams, CUDA graph replay ------------------------------------------------------
+TEST(GpuDeterminism, CallsStreamsGraphs) {
+  FP4MOE_SKIP_WITHOUT_GPU();
+  Case c;
+  c.shape = model("kimi_k3_tp8");
+  c.E_loc = c.E_total = 32;
+  c.T = 257;
+  c.shared = true;
+  c.shared_I = 384;
+  auto layer = make_layer(c);
+  Inputs in = make_inputs(c);
+  auto call = make_gpu_call(c, in, *layer);
+  const auto y1 = run_gpu(layer->gpu, *call);
+  const auto y2 = run_gpu(layer->gpu, *call);
+  EXPECT_EQ(y1, y2) << "two calls differ";
+  cudaStream_t s1, s2;
+  CUDA_OK(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking));
+  CUDA_OK(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
+  EXPECT_EQ(run_gpu(layer->gpu, *call, s1), y1) << "stream 1 differs";
+  EXPECT_EQ(run_gpu(layer->gpu, *call, s2), y1) << "stream 2 differs";
+
+  // CUDA graph: capture one call (workspace given and internal), replay twice.
+  for (int own_ws = 0; own_ws < 2; ++own_ws) {
+    ProblemShape ps;
+    ps.T = c.T; ps.H = c.shape.H; ps.I = c.shape.I; ps.E_loc = c.E_loc; ps.E_total = c.E_total; ps.k = c.shape.k;
+    ps.activation = c.shape.activation; ps.has_shared = true; ps.shared_I = c.shared_I;
+    DevBuf ws(workspace_size(ps));
+    call->args.workspace = own_ws ? dview(ws, DType::U8, {static_cast<int64_t>(ws.bytes())}) : TensorView{};
+    call->y.fill_byte(0xff);
+    call->args.stream = s1;
+    cudaGraph_t graph;
+    CUDA_OK(cudaStreamBeginCapture(s1, cudaStreamCaptureModeGlobal));
+    moe_run(layer->gpu, call->args);
+    CUDA_OK(cudaStreamEndCapture(s1, &graph));
+    cudaGraphExec_t exec;
+    CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+    for (int rep = 0; rep < 2; ++rep) {
+      call->y.fill_byte(0xff);
+      CUDA_OK(cudaGraphLaunch(exec, s1));
+      sync_with_watchdog(s1);
+      EXPECT_EQ(call->y.download<uint16_t>(), y1) << "graph replay " << rep << " (own workspace " << own_ws << ")";
+    }
+    CUDA_OK(cudaGraphExecDestroy(exec));
+    CUDA_OK(cudaGraphDestroy(graph));
+  }
+  call->args.workspace = TensorView{};
+  CUDA_OK(cudaStreamDestroy(s1));
+  CUDA_OK(cudaStreamDestroy(s2));
+}
+
+// ---- batch invariance: a token's bits do not depend on the rest of the batch ------------------------
+TEST(GpuBatchInvariance, SubBatchesEqualFullBatch) {
+  FP4MOE_SKIP_WITHOUT_GPU();
+  for (int mode = 0; mode < 2; ++mode) {
+    Case c;
+    c.shape = model("kimi_k3_tp8");
+    c.E_loc = c.E_total = 32;
+    c.T = 300;  // full batch uses a larger tile than the sub-batches
+    c.mode = mode ? ActMode::A4 : ActMode::A16;
+    c.shared = true;
+    c.shared_I = 384;
+    auto layer = make_layer(c);
+    Inputs in = make_inputs(c);
+    auto call = make_gpu_call(c, in, *layer);
+    const auto y = run_gpu(layer->gpu, *call);
+    for (const std::vector<int64_t>& sub : {std::vector<int64_t>{5}, std::vector<int64_t>{5, 17, 40, 299}}) {
+      Case cs = c;
+      cs.T = static_cast<int64_t>(sub.size());
+      Inputs is = in;
+      is.T = cs.T;
+      is.x.clear();
+      is.logits.clear();
+      for (int64_t t : sub) {
+        is.x.insert(is.x.end(), in.x.begin() + t * in.H, in.x.begin() + (t + 1) * in.H);
+        is.logits.insert(is.logits.end(), in.logits.begin() + t * in.E_total, in.logits.begin() + (t + 1) * in.E_total);
+      }
+      auto sc = make_gpu_call(cs, is, *layer);
+      const auto ys = run_gpu(layer->gpu, *sc);
+      for (size_t i = 0; i < sub.size(); ++i)
+        EXPECT_TRUE(std::equal(ys.begin() + i * in.H, ys.begin() + (i + 1) * in.H, y.begin() + sub[i] * in.H))
+            << "token " << sub[i] << " differs alone (mode " << mode << ")";
+    }
+  }
+}
+
+// ---- 200 random shapes (H, I random multiples of 16, incl. 3584, 2880, 1040) under a watchdog ------
+TEST(GpuRandomShapes, TwoHundred) {
+  FP4MOE_SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(2024);
+  const int64_t named[] = {3584, 2880, 1040};
+  const RoutingMethod methods[] = {RoutingMethod::Default,  RoutingMethod::Renormalize,   RoutingMethod::DeepSeekV3,
+                                   RoutingMethod::Llama4,   RoutingMethod::RenormalizeNaive, RoutingMethod::TopK,
+                                   RoutingMethod::SigmoidRenorm, RoutingMethod::MiniMax2, RoutingMethod::Sigmoid,
+                                   RoutingMethod::TopKSigmoid};
+  double worst = 0;
+  for (int i = 0; i < 200; ++i) {
+    auto dim = [&]() -> int64_t {
+      const int r = static_cast<int>(rng() % 8);
+      if (r < 3) return named[r];
+      return 16 * std::uniform_int_distribution<int64_t>(1, 128)(rng);
+    };
+    Case c;
+    c.shape = model("qwen3_30b_a3b");
+    c.shape.H = dim();
+    c.shape.I = dim();
+    c.shape.activation = kAllActs[rng() % 11];
+    c.shape.alpha = 1.f; c.shape.beta = c.shape.activation == ActivationType::Situ ? 2.f : 0.f; c.shape.clamp_limit = 0.f;
+    c.E_loc = std::uniform_int_distribution<int64_t>(1, 4)(rng);
+    c.E_total = c.E_loc + (rng() % 2) * std::uniform_int_distribution<int64_t>(1, 8)(rng);
+    c.offset = std::uniform_int_distribution<int64_t>(0, c.E_total - c.E_loc)(rng);
+    c.shape.routing = methods[rng() % 10];
+    c.shape.k = c.shape.routing == RoutingMethod::Llama4 ? 1 : std::uniform_int_distribution<int64_t>(1, std::min<int64_t>(c.E_total, 4))(rng);
+    c.shape.n_group = 1;
+    c.T = std::uniform_int_distribution<int64_t>(1, 6)(rng);
+    c.format = rng() % 2 ? WeightFormat::BF16 : WeightFormat::NVFP4;
+    c.mode = rng() % 3 == 0 ? ActMode::A4 : ActMode::A16;
+    c.precomputed = rng() % 3 == 0;
+    c.bias = rng() % 2;
+    c.order = rng() % 2 ? GateUpOrder::UpFirst : GateUpOrder::GateFirst;
+    c.shared = rng() % 4 == 0;
+    c.shared_I = 16 * std::uniform_int_distribution<int64_t>(1, 64)(rng);
+    c.seed = 5000 + i;
+    c.check_tokens = c.T;
+    char label[160];
+    std::snprintf(label, sizeof label, "random#%d H=%lld I=%lld E=%lld/%lld k=%lld %s %s %s", i,
+                  static_cast<long long>(c.shape.H), static_cast<long long>(c.shape.I), static_cast<long long>(c.E_loc),
+                  static_cast<long long>(c.E_total), static_cast<long long>(c.shape.k), to_string(c.shape.activation),
+                  c.mode == ActMode::A4 ? "A4" : "A16", c.format == WeightFormat::BF16 ? "bf16" : "nvfp4");
+    if (i % 50 == 0) { std::printf("random shapes: case %d\n", i); std::fflush(stdout); }
+    const Errors e = check_case(c, nullptr, label, false);
+    if (c.mode == ActMode::A16) worst = std::max(worst, e.rel_l2);
+    if (HasFailure()) { std::printf("failed at %s\n", label); return; }
+  }
+  std::printf("STAT random-shapes worst A16 relL2=%.3e\n", worst);
+}
+
+// ---- bad GPU-only values: out-of-range topk_ids set the error flag and are dropped ------------------
+TEST(GpuDeviceErrors, OutOfRangeIdsSetFlag) {
+  FP4MOE_SKIP_WITHOUT_GPU();
+  Case c;
+  c.shape = model("qwen3_30b_a3b_tp4");
+  c.E_loc = c.E_total = 16;
+  c.T = 20;
+  c.precomputed = true;
+  auto layer = make_layer(c);
+  Inputs in = make_inputs(c);
+  check_device_errors(0);  // clean start
+  Inputs bad = in;
+  bad.ids[3 * in.k + 1] = 9999;
+  bad.ids[7 * in.k + 0] = -5;
+  bad.ids[19 * in.k + 2] = static_cast<int32_t>(c.E_total);
+  auto call = make_gpu_call(c, bad, *layer);
+  const auto y = run_gpu(layer->gpu, *call);
+  EXPECT_EQ(count_poison(y), 0);
+  try {
+    check_device_errors(0);
+    ADD_FAILURE() << "expected DeviceFault";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::DeviceFault) << e.what();
+  }
+  EXPECT_NO_THROW(check_device_errors(0)) << "the flag is cleared once reported";
+  // Tokens without a bad id are computed as usual.
+  std::vector<int64_t> good;
+  for (int64_t t = 0; t < c.T; ++t)
+    if (t != 3 && t != 7 && t != 19) good.push_back(t);
+  const auto ref = run_reference(c, in, *layer, good, Precision::Fp64);
+  const Errors e = compare(y, ref, good, in.H);
+  EXPECT_LE(e.rel_l2, kRelL2A16);
+  // A clean call leaves the flag clear.
+  auto ok = make_gpu_call(c, in, *layer);
+  run_gpu(layer->gpu, *ok);
+  EXPECT_NO_THROW(check_device_errors(0));
+}
+
+// ---- workspace: too small is refused (naming it), a given one equals the internal one ---------------
+TEST(GpuWorkspace, GivenWorkspace) {
+  FP4MOE_SKIP_WITHOUT_GPU();
+  Case c;
+  c.shape = model("gpt_oss_120b");
+  c.E_loc = c.E_total = 8;
+  c.T = 33;
+  auto layer = make_layer(c);
+  Inputs in = make_inputs(c);
+  auto call = make_gpu_call(c, in, *layer);
+  const auto y = run_gpu(layer->gpu, *call);
+  ProblemShape ps;
+  ps.T = c.T; ps.H = c.shape.H; ps.I = c.shape.I; ps.E_loc = 8; ps.E_total = 8; ps.k = c.shape.k;
+  ps.activation = c.shape.activation;
+  const size_t need = workspace_size(ps);
+  DevBuf small(need - 256), exact(need);
+  call->args.workspace = dview(small, DType::U8, {static_cast<int64_t>(small.bytes())});
+  try {
+    moe_run(layer->gpu, call->args);
+    ADD_FAILURE() << "expected a refusal";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.argument(), "workspace") << e.what();
+  }
+  call->args.workspace = dview(exact, DType::U8, {static_cast<int64_t>(exact.bytes())});
+  EXPECT_EQ(run_gpu(layer->gpu, *call), y);
+}
+
+// ---- many tokens: the plan splits the batch into chunks --------------------------------------------------
+TEST(GpuChunks, LargeBatchChunked) {
+  FP4MOE_SKIP_WITHOUT_GPU();
+  Case c;
+  c.shape = model("kimi_k3_tp8");
+  c.E_loc = c.E_total = 32;
+  c.T = 9000;
+  c.check_tokens = 12;
+  ProblemShape ps;
+  ps.T = c.T; ps.H = c.shape.H; ps.I = c.shape.I; ps.E_loc = 32; ps.k = 8; ps.activation = c.shape.activation;
+  EXPECT_GT(make_plan(ps).num_chunks, 1);
+  check_case(c, nullptr, "kimi chunked");
+}
+
+// ---- shared expert with A4 per-token x scales --------------------------------------------------------------
+TEST(GpuSharedExpert, QwenA4PerToken) {
+  FP4MOE_SKIP_WITHOUT_GPU();
+  Case c;
+  c.shape = model("qwen3_30b_a3b");
+  c.E_loc = c.E_total = 16;
+  c.T = 24;
+  c.mode = ActMode::A4;
+  c.per_token_x_scale = true;
+  c.shared = true;
+  c.shared_I = 512;
+  check_case(c, nullptr, "qwen shared A4 per-token");
+  c.mode = ActMode::A16;
+  check_case(c, nullptr, "qwen shared A16");
+}
+
+// ---- timings of kimi_k3_tp8 (E=384) ------------------------------------------------------------------------
+TEST(GpuPerf, KimiTimings) {
+  FP4MOE_SKIP_WITHOUT_GPU();
+  Case c;
+  c.shape = model("kimi_k3_tp8");
+  c.E_loc = c.E_total = 384;
+  c.T = 4096;
+  auto layer = std::make_unique<Layer>();
+  layer->L = make_synthetic_layer(c.shape, c.E_loc, 9, c.format);
+  layer->gpu = prepare_weights(layer->L.desc(), Backend::CUDA, 0);
+  layer->alpha = DevBuf::from(layer->L.alpha);
+  layer->beta = DevBuf::from(layer->L.beta);
+  for (int64_t T : {1, 64, 4096}) {
+    c.T = T;
+    Inputs in = make_inputs(c);
+    auto call = make_gpu_call(c, in, *layer);
+    cudaStream_t s;
+    CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    ProblemShape ps;
+    ps.T = T; ps.H = 3584; ps.I = 384; ps.E_loc = 384; ps.k = 8; ps.activation = c.shape.activation;
+    DevBuf ws(workspace_size(ps));
+    call->args.workspace = dview(ws, DType::U8, {static_cast<int64_t>(ws.bytes())});
+    call->args.stream = s;
+    for (int i = 0; i < 3; ++i) moe_run(layer->gpu, call->args);
+    sync_with_watchdog(s);
+    cudaEvent_t a, b;
+    CUDA_OK(cudaEventCreate(&a));
+    CUDA_OK(cudaEventCreate(&b));
+    const int iters = T >= 4096 ? 10 : 50;
+    CUDA_OK(cudaEventRecord(a, s));
+    for (int i = 0; i < iters; ++i) moe_run(layer->gpu, call->args);
+    CUDA_OK(cudaEventRecord(b, s));
+    sync_with_watchdog(s);
+    float ms = 0;
+    CUDA_OK(cudaEventElapsedTime(&ms, a, b));
+    const double per = ms / iters;
+    const double flops = 2.0 * T * 8 * (3.0 * 3584 * 384);
+    std::printf("STAT perf kimi_k3_tp8 E=384 T=%-5lld %.3f ms/call  %.1f TFLOP/s\n", static_cast<long long>(T), per,
+                flops / (per * 1e-3) / 1e12);
+    CUDA_OK(cudaEventDestroy(a));
+    CUDA_OK(cudaEventDestroy(b));
+    CUDA_OK(cudaStreamDestroy(s));
+  }
+}
+
+}  // namespace
+}  // namespace fp4moe::gputest
