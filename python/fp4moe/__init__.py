@@ -12,14 +12,17 @@ fp4moe.Fp4MoeError (a ValueError) with .code and .argument.
 from ._errors import ErrorCode, Fp4MoeError
 from ._enums import ActivationType, RoutingMethod, GateUpOrder, LoraLayout, ScaleLayout, WeightFormat, ActMode
 from . import _loader  # loads and checks the extension; raises ImportError when it is missing or mismatched
-from ._api import (AdapterRegistry, MoeWeights, build_info, check_device_errors, from_hf_experts, moe,
-                   peft_expert_matrices, prepare_bf16_weights, prepare_weights, quantize_weights, route)
+from ._api import (AdapterRegistry, MoeWeights, build_info, check_device_errors, dequantize_weights,
+                   from_hf_experts, list_peft_expert_modules, moe, object_of_handle, peft_expert_matrices,
+                   prepare_bf16_weights, prepare_weights, quantize_weights, read_peft_experts_lora, route,
+                   workspace_size)
 
 __version__ = _loader.binary_info()["version"]
 
 __all__ = [
     "ActivationType", "ActMode", "AdapterRegistry", "ErrorCode", "Fp4MoeError", "GateUpOrder", "LoraLayout",
     "MoeWeights", "RoutingMethod", "ScaleLayout", "WeightFormat", "build_info", "check_device_errors",
-    "from_hf_experts", "moe", "peft_expert_matrices", "prepare_bf16_weights", "prepare_weights",
-    "quantize_weights", "route",
+    "dequantize_weights", "from_hf_experts", "list_peft_expert_modules", "moe", "object_of_handle",
+    "peft_expert_matrices", "prepare_bf16_weights", "prepare_weights", "quantize_weights",
+    "read_peft_experts_lora", "route", "workspace_size",
 ]

@@ -1,8 +1,11 @@
 """The Python API: FlashInfer-like plain functions over the extension (SPEC §3-§5)."""
 from __future__ import annotations
 
+import itertools
 import math
 import sys
+import threading
+import weakref
 from typing import Mapping
 
 import numpy as np
@@ -46,6 +49,33 @@ def _describe(x):
     return _C._describe(x)
 
 
+# ---- handles --------------------------------------------------------------------------------------------
+# Prepared weights and adapter registries are not tensors; graph-level consumers (the PyTorch custom op,
+# torch.compile, CUDA graphs) refer to them by a small integer handle, fixed at construction. The table
+# holds weak references: the object lives as long as its owner (a module, the caller) keeps it.
+_handle_lock = threading.Lock()
+_handle_counter = itertools.count(1)
+_by_handle: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+
+
+def _new_handle(obj) -> int:
+    with _handle_lock:
+        h = next(_handle_counter)
+        _by_handle[h] = obj
+    return h
+
+
+def object_of_handle(handle: int, argument: str = "weights"):
+    """The MoeWeights / AdapterRegistry registered under `handle` (0 -> None)."""
+    h = int(handle)
+    if h == 0:
+        return None
+    obj = _by_handle.get(h)
+    if obj is None:
+        raise error(argument, f"no live fp4moe object has handle {h} (it was garbage-collected or never existed)")
+    return obj
+
+
 # ---- weights --------------------------------------------------------------------------------------------
 
 class MoeWeights:
@@ -55,15 +85,17 @@ class MoeWeights:
         self._native = native
         self._device = device
         self.activation = activation  # the activation given at preparation (moe's default), or None
+        self.handle = _new_handle(self)  # an int naming this object in graphs (fp4moe.torch_ops)
+        # Plain attributes (not properties over the extension) so that torch.compile can read them while tracing.
+        self.gated = bool(native.gated)
+        self.num_experts = int(native.num_experts)
+        self.hidden = int(native.hidden)
+        self.inter = int(native.inter)
 
     native = property(lambda self: self._native)
     device = property(lambda self: "cpu" if self._device[0] == "cpu" else f"cuda:{self._device[1]}")
     format = property(lambda self: WeightFormat(self._native.format))
     gate_up_order = property(lambda self: GateUpOrder(self._native.order))
-    gated = property(lambda self: bool(self._native.gated))
-    num_experts = property(lambda self: int(self._native.num_experts))
-    hidden = property(lambda self: int(self._native.hidden))
-    inter = property(lambda self: int(self._native.inter))
 
     def __repr__(self):
         return (f"fp4moe.MoeWeights({self.format.name}, E={self.num_experts}, H={self.hidden}, I={self.inter}, "
@@ -209,6 +241,7 @@ class AdapterRegistry:
         self.shared_expert = shared_expert
         self._native = _C.AdapterRegistry(weights.native, int(num_slots),
                                           None if shared_expert is None else shared_expert.native)
+        self.handle = _new_handle(self)
 
     native = property(lambda self: self._native)
     num_slots = property(lambda self: int(self._native.num_slots))
@@ -244,6 +277,19 @@ class AdapterRegistry:
         args = {k: as_arg(v, k) for k, v in t.items() if v is not None}
         self._native._load(int(slot), args, int(lay), int(rank), float(lora_alpha), bool(use_rslora))
 
+    def load_peft(self, slot: int, adapter_dir: str, module_prefix: str, *, expert_offset: int = 0) -> None:
+        """Loads one MoE layer's expert LoRA from a saved PEFT adapter (adapter_config.json +
+        adapter_model.safetensors, `target_parameters` on transformers 5 fused experts, SPEC §5) into `slot`.
+
+        module_prefix names the MoE block up to "experts.", e.g. "base_model.model.model.layers.3.mlp."
+        (list_peft_expert_modules(adapter_dir) lists them). With expert parallelism, expert_offset selects
+        this rank's experts [offset, offset + E_loc)."""
+        d = read_peft_experts_lora(adapter_dir, module_prefix, num_experts=0, expert_offset=expert_offset,
+                                   num_local_experts=self.weights.num_experts)
+        t = {k: d[k] for k in ("a_gate_up", "b_gate_up", "a_down", "b_down") if k in d}
+        self.load(slot, t, layout="peft_fused", rank=d["rank"], lora_alpha=d["lora_alpha"],
+                  use_rslora=d["use_rslora"])
+
     def unload(self, slot: int) -> None:
         self._native.unload(int(slot))
 
@@ -253,6 +299,26 @@ class AdapterRegistry:
     def __repr__(self):
         n = sum(self.loaded(i) for i in range(self.num_slots))
         return f"fp4moe.AdapterRegistry({n}/{self.num_slots} slots loaded, weights={self.weights!r})"
+
+
+def read_peft_experts_lora(adapter_dir: str, module_prefix: str, *, num_experts: int = 0, expert_offset: int = 0,
+                           num_local_experts: int = 0) -> dict:
+    """A saved PEFT adapter's LoRA for one MoE layer (the C++ reader, include/fp4moe/peft.h): a dict with
+    a_gate_up [E, r, H], b_gate_up [E, 2I, r] (gate rows first), a_down [E, r, I], b_down [E, H, r] as
+    NumPy bfloat16 (the targets present), plus E, H, I, N1, rank, lora_alpha, use_rslora."""
+    d = dict(_C.read_peft_experts_lora(str(adapter_dir), str(module_prefix), int(num_experts), int(expert_offset),
+                                       int(num_local_experts)))
+    if BF16 is not None:
+        for k in ("a_gate_up", "b_gate_up", "a_down", "b_down"):
+            if k in d:
+                d[k] = d[k].view(BF16)
+    return d
+
+
+def list_peft_expert_modules(adapter_dir: str) -> list:
+    """The module prefixes (for read_peft_experts_lora / AdapterRegistry.load_peft) that carry fused-expert
+    LoRA in a saved PEFT adapter."""
+    return list(_C.list_peft_expert_modules(str(adapter_dir)))
 
 
 def peft_expert_matrices(lora_A, lora_B, num_experts: int):
@@ -355,6 +421,81 @@ def moe(x, weights: MoeWeights, *, routing_logits=None, routing_bias=None, topk_
                None if adapters is None else adapters.native,
                _stream_of(stream, x, dev), int(prec), int(num_threads))
     return out
+
+
+def workspace_size(weights: MoeWeights, num_tokens: int, top_k: int, *, routing_from_logits: bool = True,
+                   num_experts_total: int = 0, n_group: int = 1, activation=None, mode="a16",
+                   shared_expert: MoeWeights | None = None, max_lora_rank: int = 0) -> int:
+    """Bytes of `workspace` the CUDA backend uses for a call with up to num_tokens tokens (0 on the CPU
+    backend, which takes no workspace). The size does not decrease with num_tokens, so a buffer sized for
+    the largest batch serves every smaller one; passing it makes the call allocation-free (CUDA graphs)."""
+    if not isinstance(weights, MoeWeights):
+        raise error("weights", f"expected fp4moe.MoeWeights, got {type(weights).__name__}")
+    if weights._device[0] != "cuda":
+        return 0
+    if activation is None:
+        activation = weights.activation if weights.activation is not None else ActivationType.Swiglu
+    act = parse_enum(ActivationType, activation, "activation")
+    shape = {"T": int(num_tokens), "H": weights.hidden, "I": weights.inter, "E_loc": weights.num_experts,
+             "E_total": int(num_experts_total), "k": int(top_k), "gated": weights.gated, "activation": int(act),
+             "mode": int(parse_enum(ActMode, mode, "mode", MODE_ALIASES)), "format": int(weights.format),
+             "routing_from_logits": bool(routing_from_logits), "n_group": int(n_group),
+             "has_shared": shared_expert is not None,
+             "shared_I": 0 if shared_expert is None else shared_expert.inter,
+             "has_lora": int(max_lora_rank) > 0, "max_lora_rank": int(max_lora_rank)}
+    return int(_C.workspace_size(shape))
+
+
+_E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32)
+
+
+def _decode_nvfp4(packed, scales, scale2, n_rows: int, k: int, swizzled: bool, half_rows: int | None):
+    """[E, N, K/2] codes + block scales + per-expert (or per-half) global scales -> float32 [E, N, K]."""
+    packed = np.asarray(packed, dtype=np.uint8)
+    E = packed.shape[0]
+    codes = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(E, n_rows, k)
+    sf = np.asarray(scales)
+    sf = (sf.view(np.uint8).view(E4M3) if sf.dtype != E4M3 else sf).astype(np.float32)
+    if swizzled:
+        sf = sf.reshape(E, -1)
+        nC = (k // 16 + 3) // 4
+        m = np.arange(n_rows)[:, None]
+        c = np.arange(k // 16)[None, :]
+        off = (m // 128) * nC * 512 + (c // 4) * 512 + (m % 32) * 16 + ((m % 128) // 32) * 4 + (c % 4)
+        sf = sf[:, off]
+    else:
+        sf = sf.reshape(E, n_rows, k // 16)
+    vals = _E2M1_VALUES[codes] * np.repeat(sf, 16, axis=-1)
+    s2 = np.asarray(scale2, dtype=np.float32)
+    if s2.ndim == 2:  # per half
+        per_row = np.concatenate([np.repeat(s2[:, :1], half_rows, axis=1), np.repeat(s2[:, 1:2], half_rows, axis=1)],
+                                 axis=1)
+        return vals * per_row[:, :, None]
+    return vals * s2.reshape(E, 1, 1)
+
+
+def dequantize_weights(w1, w1_scale, w1_scale2, w2, w2_scale, w2_scale2, *, scale_layout="linear", **_ignored):
+    """NVFP4 expert weights (prepare_weights' arguments, e.g. quantize_weights' output) -> dense float32
+    NumPy (w1 [E, N1, H], w2 [E, H, I]) with value e2m1 * e4m3 * scale2 (SPEC §2), in the weights' own
+    half order. Host arrays only (device tensors are copied). Extra keys (bias1, ...) are ignored."""
+    layout = parse_enum(ScaleLayout, scale_layout, "scale_layout", SCALE_LAYOUT_ALIASES)
+    arrs = []
+    for name, v in (("w1", w1), ("w1_scale", w1_scale), ("w1_scale2", w1_scale2), ("w2", w2),
+                    ("w2_scale", w2_scale), ("w2_scale2", w2_scale2)):
+        if is_torch(v):
+            t = sys.modules["torch"]
+            v = v.detach().cpu()
+            if v.dtype == getattr(t, "float8_e4m3fn", None):
+                v = v.view(t.uint8)
+            v = v.numpy()
+        arrs.append(np.asarray(v))
+    w1, w1_scale, w1_scale2, w2, w2_scale, w2_scale2 = arrs
+    E, n1, h2 = require_ndim(w1, "w1", 3, "[E, N1, H/2] uint8")
+    _, H, i2 = require_ndim(w2, "w2", 3, "[E, H, I/2] uint8")
+    sw = layout == ScaleLayout.Swizzled128x4
+    d1 = _decode_nvfp4(w1, w1_scale, w1_scale2, n1, 2 * h2, sw, n1 // 2)
+    d2 = _decode_nvfp4(w2, w2_scale, w2_scale2, H, 2 * i2, sw, None)
+    return d1, d2
 
 
 def _clamp_value(v) -> float:

@@ -20,6 +20,8 @@
 #include "fp4moe/build_info.h"
 #include "fp4moe/moe.h"
 #include "fp4moe/nvfp4.h"
+#include "fp4moe/peft.h"
+#include "fp4moe/plan.h"
 #include "fp4moe/quantize.h"
 #include "fp4moe/types.h"
 
@@ -346,6 +348,83 @@ void py_route(const nb::dict& t, int method, int64_t top_k, int64_t n_group, int
   route(r, num_experts_total, ids, w);
 }
 
+// The CUDA backend's workspace size for one call shape (include/fp4moe/plan.h). Keys of `shape` are the
+// ProblemShape fields; unknown keys are refused so that a misspelling is not silently ignored.
+size_t py_workspace_size(const nb::dict& shape) {
+  ProblemShape s;
+  for (auto [k, v] : shape) {
+    const std::string key = nb::cast<std::string>(k);
+    if (key == "T") s.T = nb::cast<int64_t>(v);
+    else if (key == "H") s.H = nb::cast<int64_t>(v);
+    else if (key == "I") s.I = nb::cast<int64_t>(v);
+    else if (key == "E_loc") s.E_loc = nb::cast<int64_t>(v);
+    else if (key == "E_total") s.E_total = nb::cast<int64_t>(v);
+    else if (key == "k") s.k = nb::cast<int64_t>(v);
+    else if (key == "gated") s.gated = nb::cast<bool>(v);
+    else if (key == "activation") s.activation = static_cast<ActivationType>(nb::cast<int>(v));
+    else if (key == "mode") s.mode = static_cast<ActMode>(nb::cast<int>(v));
+    else if (key == "format") s.format = static_cast<WeightFormat>(nb::cast<int>(v));
+    else if (key == "routing_from_logits") s.routing_from_logits = nb::cast<bool>(v);
+    else if (key == "n_group") s.n_group = nb::cast<int64_t>(v);
+    else if (key == "has_shared") s.has_shared = nb::cast<bool>(v);
+    else if (key == "shared_I") s.shared_I = nb::cast<int64_t>(v);
+    else if (key == "has_lora") s.has_lora = nb::cast<bool>(v);
+    else if (key == "max_lora_rank") s.max_lora_rank = nb::cast<int64_t>(v);
+    else if (key == "workspace_budget") s.workspace_budget = nb::cast<int64_t>(v);
+    else bad(key, "unknown field of the problem shape");
+  }
+  return workspace_size(s);
+}
+
+// A PEFT adapter directory (adapter_config.json + adapter_model.safetensors) -> one MoE layer's expert LoRA
+// (include/fp4moe/peft.h) as NumPy arrays: bf16 bits (uint16), PeftFused layout, plus rank and scale fields.
+nb::dict py_read_peft_experts_lora(const std::string& dir, const std::string& module_prefix, int64_t num_experts,
+                                   int64_t expert_offset, int64_t num_local_experts) {
+  PeftReadOptions opt;
+  opt.module_prefix = module_prefix;
+  opt.num_experts = num_experts;
+  opt.expert_offset = expert_offset;
+  opt.num_local_experts = num_local_experts;
+  PeftExpertsLora l;
+  {
+    nb::gil_scoped_release release;
+    l = read_peft_experts_lora(dir, opt);
+  }
+  const size_t E = static_cast<size_t>(l.E), H = static_cast<size_t>(l.H), I = static_cast<size_t>(l.I),
+               N1 = static_cast<size_t>(l.N1), r = static_cast<size_t>(l.rank);
+  nb::dict d;
+  d["E"] = l.E;
+  d["H"] = l.H;
+  d["I"] = l.I;
+  d["N1"] = l.N1;
+  d["rank"] = l.rank;
+  d["lora_alpha"] = l.lora_alpha;
+  d["use_rslora"] = l.use_rslora;
+  if (l.has_gate_up) {
+    d["a_gate_up"] = numpy_from(std::move(l.a_gate_up), {E, r, H});
+    d["b_gate_up"] = numpy_from(std::move(l.b_gate_up), {E, N1, r});
+  }
+  if (l.has_down) {
+    d["a_down"] = numpy_from(std::move(l.a_down), {E, r, I});
+    d["b_down"] = numpy_from(std::move(l.b_down), {E, H, r});
+  }
+  return d;
+}
+
+nb::dict py_read_peft_config(const std::string& path) {
+  PeftConfig c;
+  {
+    nb::gil_scoped_release release;
+    c = read_peft_config(path);
+  }
+  nb::dict d;
+  d["r"] = c.r;
+  d["lora_alpha"] = c.lora_alpha;
+  d["use_rslora"] = c.use_rslora;
+  d["target_parameters"] = c.target_parameters;
+  return d;
+}
+
 nb::dict py_build_info() {
   const BuildInfo b = build_info();
   nb::dict d;
@@ -398,6 +477,9 @@ void translate_error(const std::exception_ptr& p, void*) {
 NB_MODULE(_C, m) {
   m.doc() = "fp4moe native extension (use the fp4moe package, not this module directly)";
   nb::register_exception_translator(translate_error);
+  // Prepared weights are legitimately alive at interpreter exit (held by torch.compile caches, CUDA graphs,
+  // module globals); nanobind's leak report would be noise, not a reference-counting bug.
+  nb::set_leak_warnings(false);
 
   m.def("_set_error_class", [](nb::handle cls) {
     Py_XINCREF(cls.ptr());
@@ -443,6 +525,19 @@ NB_MODULE(_C, m) {
         nb::arg("topk_group"), nb::arg("routed_scaling_factor"), nb::arg("num_experts_total"));
   m.def("check_device_errors", &check_device_errors, nb::arg("device_id") = 0,
         nb::call_guard<nb::gil_scoped_release>());
+  m.def("workspace_size", &py_workspace_size, nb::arg("shape"),
+        "Bytes of workspace the CUDA backend needs for a call of this shape (ProblemShape fields as a dict).");
+  m.def("read_peft_experts_lora", &py_read_peft_experts_lora, nb::arg("dir"), nb::arg("module_prefix"),
+        nb::arg("num_experts") = 0, nb::arg("expert_offset") = 0, nb::arg("num_local_experts") = 0);
+  m.def("list_peft_expert_modules", [](const std::string& dir) {
+    std::vector<std::string> r;
+    {
+      nb::gil_scoped_release release;
+      r = list_peft_expert_modules(dir);
+    }
+    return r;
+  }, nb::arg("dir"));
+  m.def("read_peft_config", &py_read_peft_config, nb::arg("path"));
   m.def("build_info", &py_build_info);
   m.def("build_info_report", &build_info_report);
   m.def("cuda_device_count", &cuda_device_count);

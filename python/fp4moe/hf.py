@@ -1,0 +1,370 @@
+"""A drop-in for the sparse MoE blocks of HuggingFace transformers 5 (Qwen3-MoE, Mixtral), with PEFT LoRA.
+
+    import fp4moe.hf
+    swap = fp4moe.hf.swap_moe_blocks(model, quantize=True)      # NVFP4 experts, fused op per MoE layer
+    logits = model(input_ids).logits
+    swap.restore()                                              # the original blocks back
+
+What is replaced. Every module whose class is `Qwen3MoeSparseMoeBlock` or `MixtralSparseMoeBlock` (or a subclass,
+or any class named in `block_classes`) with a router `gate` and fused experts `experts.gate_up_proj` [E, 2I, H]
+(gate rows first) and `experts.down_proj` [E, H, I]. transformers 5 routing, mapped onto RoutingMethod:
+
+- Qwen3-MoE (`Qwen3MoeTopKRouter`): softmax over E, top-k, then / sum when `norm_topk_prob`
+  -> RenormalizeNaive (4); without norm_topk_prob -> Default (0).
+- Mixtral (`MixtralTopKRouter`): softmax, top-k, / sum, which equals top-k of the logits then softmax over the
+  k chosen -> Renormalize (1).
+
+The new block (Fp4MoeSparseMoeBlock) keeps the original router module and calls it, so transformers' router-logit
+recording (`output_router_logits`) still sees it; routing itself runs inside the fused op from those logits
+(`routing="fused"`, weights in fp32) or takes the router's own top-k ids and weights (`routing="hf"`). The
+activation is read off `experts.act_fn` (silu -> Swiglu, gelu -> Geglu, gelu_pytorch_tanh -> GegluTanh).
+Hidden states are cast to bfloat16 for the op and the output back to the input dtype.
+
+PEFT. A PeftModel whose LoRA targets the experts through `target_parameters` (e.g.
+["experts.gate_up_proj", "experts.down_proj"]) wraps `experts` in ParamWrappers; swap_moe_blocks unwraps them and
+loads every adapter into an AdapterRegistry slot (SPEC §5, the PEFT fused layout: lora_A [r*E, in] expert-outer,
+lora_B [out, r*E] expert-inner, scale lora_alpha / r or / sqrt(r) with rsLoRA). The block runs PEFT's active
+adapter at swap time; `set_active_adapter(model, name_or_None)` switches it, `set_adapter_ids(model, ids)` gives
+one adapter slot per sequence (a mixed batch; -1 = base). PEFT merges the delta into the bf16 weight
+(W + s*B@A rounded to the weight dtype); fp4moe adds it unmerged, in fp32, before the activation (SPEC §5).
+
+Numerics vs transformers: the op accumulates in fp32 and rounds once to bf16 (SPEC §3.2); transformers rounds every
+intermediate to the model dtype. With quantize=True the experts are NVFP4 (SPEC §2, per-half global scales);
+`write_back=True` writes the decoded NVFP4 weights into the original experts so that the original model (after
+restore()) computes with the same weights (rounded to its parameter dtype).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import _api
+from . import torch_ops as _ops
+from ._enums import ActivationType, RoutingMethod
+from ._errors import error
+
+__all__ = ["Fp4MoeSparseMoeBlock", "MoeSwap", "swap_moe_blocks", "set_active_adapter", "set_adapter_ids",
+           "routing_method_of", "activation_of", "SUPPORTED_BLOCKS"]
+
+SUPPORTED_BLOCKS = ("Qwen3MoeSparseMoeBlock", "MixtralSparseMoeBlock")
+
+
+def _is_param_wrapper(m) -> bool:
+    # peft.tuners.lora.ParamWrapper, recognized without importing peft
+    return hasattr(m, "parameter_name") and hasattr(m, "base_layer") and hasattr(m, "lora_A")
+
+
+def _unwrap_experts(experts):
+    """(the transformers experts module, [ParamWrapper, ...] outermost first)."""
+    wrappers = []
+    m = experts
+    while _is_param_wrapper(m):
+        wrappers.append(m)
+        m = m.base_layer
+    if not (hasattr(m, "gate_up_proj") and hasattr(m, "down_proj")):
+        raise error("experts", f"expected fused experts with gate_up_proj and down_proj (transformers 5), got "
+                               f"{type(m).__name__}")
+    return m, wrappers
+
+
+def routing_method_of(block) -> RoutingMethod:
+    """The RoutingMethod that reproduces a transformers MoE block's router."""
+    name = type(block).__name__
+    gate_name = type(getattr(block, "gate", None)).__name__
+    if name.startswith("Mixtral") or gate_name.startswith("Mixtral"):
+        return RoutingMethod.Renormalize
+    if name.startswith("Qwen3Moe") or gate_name.startswith("Qwen3Moe"):
+        norm = getattr(block.gate, "norm_topk_prob", getattr(block, "norm_topk_prob", True))
+        return RoutingMethod.RenormalizeNaive if norm else RoutingMethod.Default
+    raise error("block", f"no known routing for {name} (router {gate_name}); pass routing_method explicitly")
+
+
+def activation_of(act_fn) -> ActivationType:
+    """The gated activation whose gate nonlinearity is act_fn, found by probing it (ACT2FN classes vary across
+    transformers versions): silu -> Swiglu, gelu (erf) -> Geglu, gelu (tanh) -> GegluTanh."""
+    t = torch.linspace(-6.0, 6.0, 97, dtype=torch.float32)
+    with torch.no_grad():
+        got = act_fn(t)
+    for act, ref in ((ActivationType.Swiglu, F.silu(t)), (ActivationType.Geglu, F.gelu(t)),
+                     (ActivationType.GegluTanh, F.gelu(t, approximate="tanh"))):
+        if torch.allclose(got, ref, atol=1e-6, rtol=1e-5):
+            return act
+    raise error("act_fn", f"unsupported expert activation {type(act_fn).__name__} (expected silu or gelu)")
+
+
+class Fp4MoeSparseMoeBlock(nn.Module):
+    """A transformers sparse MoE block computed by the fused fp4moe operator (torch.ops.fp4moe.moe)."""
+
+    def __init__(self, gate: nn.Module, weights: "_api.MoeWeights", *, top_k: int, routing_method,
+                 num_experts: int, activation, adapters: Optional["_api.AdapterRegistry"] = None,
+                 adapter_slots: Optional[dict] = None, active_adapter: Optional[str] = None, routing: str = "fused",
+                 source: str = ""):
+        super().__init__()
+        if routing not in ("fused", "hf"):
+            raise error("routing", f"expected 'fused' or 'hf', got {routing!r}")
+        self.gate = gate
+        self.weights = weights
+        self.adapters = adapters
+        self.adapter_slots = dict(adapter_slots or {})
+        self.top_k = int(top_k)
+        self.num_experts = int(num_experts)
+        # ints resolved once, so that the traced forward reads constants
+        self.routing_method = int(routing_method)
+        self.activation = int(activation)
+        self.routing = routing
+        self.source = source
+        self.active_slot = -1
+        self.adapter_ids: Optional[torch.Tensor] = None  # per sequence [B], int32 (set_adapter_ids)
+        self.workspace: Optional[torch.Tensor] = None
+        if active_adapter is not None:
+            self.set_active_adapter(active_adapter)
+
+    def set_active_adapter(self, name: Optional[str]) -> None:
+        if name is None:
+            self.active_slot = -1
+            return
+        if name not in self.adapter_slots:
+            raise error("adapter", f"no adapter named {name!r} in this block; loaded: {sorted(self.adapter_slots)}")
+        self.active_slot = int(self.adapter_slots[name])
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.num_experts}, top_k={self.top_k}, routing={RoutingMethod(self.routing_method).name}, "
+                f"activation={ActivationType(self.activation).name}, weights={self.weights!r}, "
+                f"adapters={sorted(self.adapter_slots)}")
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        shape = hidden_states.shape
+        h = hidden_states.reshape(-1, shape[-1])
+        router_logits, router_weights, router_ids = self.gate(h)
+        x = h if h.dtype == torch.bfloat16 else h.to(torch.bfloat16)
+        routing = {}
+        if self.routing == "fused":
+            logits = router_logits
+            if logits.dtype not in (torch.float32, torch.bfloat16):
+                logits = logits.float()
+            routing["routing_logits"] = logits
+        else:
+            routing["topk_ids"] = router_ids.to(torch.int32)
+            routing["topk_weights"] = router_weights.float()
+        ids = None
+        adapters = None
+        if self.adapters is not None:
+            if self.adapter_ids is not None:
+                tokens_per_seq = h.shape[0] // self.adapter_ids.shape[0]
+                ids = self.adapter_ids.to(device=h.device, dtype=torch.int32).repeat_interleave(tokens_per_seq)
+                adapters = self.adapters
+            elif self.active_slot >= 0:
+                ids = torch.full((h.shape[0],), self.active_slot, dtype=torch.int32, device=h.device)
+                adapters = self.adapters
+        y = _ops.moe(x, self.weights, top_k=self.top_k, routing_method=self.routing_method,
+                     activation=self.activation, num_experts_total=self.num_experts, adapters=adapters,
+                     adapter_ids=ids, workspace=self.workspace, **routing)
+        if y.dtype != hidden_states.dtype:
+            y = y.to(hidden_states.dtype)
+        return y.reshape(shape)
+
+
+@dataclass
+class MoeSwap:
+    """What swap_moe_blocks did: the new blocks and the originals, by module name."""
+    model: nn.Module
+    blocks: dict = field(default_factory=dict)     # name -> Fp4MoeSparseMoeBlock
+    originals: dict = field(default_factory=dict)  # name -> the replaced transformers block
+
+    def restore(self) -> None:
+        """Puts the original blocks back (the new ones are dropped)."""
+        for name, orig in self.originals.items():
+            _set_submodule(self.model, name, orig)
+        self.blocks.clear()
+        self.originals.clear()
+
+    def __len__(self):
+        return len(self.blocks)
+
+
+def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, module)
+
+
+def _expert_tensors(experts):
+    """gate_up [E, 2I, H], down [E, H, I] of a transformers experts module (handles is_transposed)."""
+    gu, dn = experts.gate_up_proj.detach(), experts.down_proj.detach()
+    if getattr(experts, "is_transposed", False):  # stored [E, H, 2I] / [E, I, H]
+        gu, dn = gu.transpose(1, 2), dn.transpose(1, 2)
+    return gu, dn
+
+
+def _write_back(experts, w1: np.ndarray, w2: np.ndarray) -> None:
+    with torch.no_grad():
+        gu = torch.from_numpy(w1)
+        dn = torch.from_numpy(w2)
+        if getattr(experts, "is_transposed", False):
+            gu, dn = gu.transpose(1, 2), dn.transpose(1, 2)
+        experts.gate_up_proj.copy_(gu.to(experts.gate_up_proj.dtype))
+        experts.down_proj.copy_(dn.to(experts.down_proj.dtype))
+
+
+def _adapter_tensors(wrappers, name: str, E: int):
+    """One PEFT adapter's LoRA of one block -> (tensors for AdapterRegistry.load, rank, lora_alpha, rslora)."""
+    parts = {}
+    for wr in wrappers:
+        if name not in wr.lora_A:
+            continue
+        if wr.parameter_name == "gate_up_proj":
+            key = "gate_up"
+        elif wr.parameter_name == "down_proj":
+            key = "down"
+        else:
+            raise error("adapters", f"LoRA on experts.{wr.parameter_name} is not supported (gate_up_proj, down_proj)")
+        if getattr(wr.get_base_layer(), "is_transposed", False):
+            raise error("adapters", "PEFT LoRA on transposed expert storage (is_transposed) is not supported")
+        A = wr.lora_A[name].weight.detach()
+        B = wr.lora_B[name].weight.detach()
+        a, b = _api.peft_expert_matrices(A, B, E)  # [E, r, in], [E, out, r]
+        parts[key] = (a, b, int(wr.r[name]), float(wr.lora_alpha[name]), bool(wr.use_rslora.get(name, False)),
+                      float(wr.scaling[name]))
+    if not parts:
+        return None
+    cfgs = {(p[2], p[3], p[4]) for p in parts.values()}
+    ranks = {p[2] for p in parts.values()}
+    if len(ranks) > 1:
+        raise error("adapters", f"adapter {name!r}: gate_up and down LoRA ranks differ ({sorted(ranks)}); fp4moe takes "
+                                "one rank per adapter")
+    tensors = {}
+    if len(cfgs) == 1:
+        r, alpha, rslora = next(iter(cfgs))
+        for key, (a, b, *_rest) in parts.items():
+            tensors[f"a_{key}"] = a.to(torch.bfloat16)
+            tensors[f"b_{key}"] = b.to(torch.bfloat16)
+        return tensors, r, alpha, rslora
+    # Different alphas per target: fold each scale into its B (fp32 product, one rounding to bf16, as the
+    # registry itself does) and load with scale 1.
+    r = next(iter(ranks))
+    for key, (a, b, _r, _alpha, _rs, scaling) in parts.items():
+        tensors[f"a_{key}"] = a.to(torch.bfloat16)
+        tensors[f"b_{key}"] = (b.float() * scaling).to(torch.bfloat16)
+    return tensors, r, float(r), False
+
+
+def _peft_active_adapter(model) -> Optional[str]:
+    act = getattr(model, "active_adapter", None)
+    if callable(act):
+        act = act()
+    if isinstance(act, (list, tuple)):
+        if len(act) > 1:
+            raise error("adapters", f"several active PEFT adapters {list(act)}: fp4moe runs one adapter per token")
+        act = act[0] if act else None
+    return act
+
+
+def swap_moe_blocks(model: nn.Module, *, quantize: bool = True, adapters="auto", num_slots: int = 8,
+                    device=None, routing: str = "fused", write_back: bool = False,
+                    block_classes: Iterable[str] = SUPPORTED_BLOCKS, use_workspace: bool = False,
+                    max_tokens: int = 0) -> MoeSwap:
+    """Replaces every supported sparse MoE block of `model` by an Fp4MoeSparseMoeBlock (in place).
+
+    quantize: True -> NVFP4 experts (SPEC §2, per-half global scales); False -> the weights as bfloat16.
+    adapters: "auto" (the PEFT LoRA found on the experts, if any), None/False (ignore LoRA), or a list of PEFT
+      adapter names to load (in slot order). The block runs PEFT's active adapter.
+    device: where the prepared weights live (default: the experts' device).
+    routing: "fused" (routing from the router logits inside the op) or "hf" (the router's own top-k).
+    write_back: write the decoded NVFP4 weights into the original experts (kept in MoeSwap.originals), so that
+      the original blocks compute with the same weights after restore().
+    use_workspace: give each block a workspace for up to max_tokens tokens (CUDA; allocation-free calls).
+    Returns a MoeSwap (restore() undoes the swap)."""
+    classes = tuple(block_classes)
+    targets = [(n, m) for n, m in model.named_modules()
+               if any(c.__name__ in classes for c in type(m).__mro__) and hasattr(m, "gate") and hasattr(m, "experts")]
+    if not targets:
+        raise error("model", f"no MoE block of the classes {list(classes)} found")
+    active = _peft_active_adapter(model) if adapters not in (None, False) else None
+    swap = MoeSwap(model)
+    for name, block in targets:
+        experts, wrappers = _unwrap_experts(block.experts)
+        gu, dn = _expert_tensors(experts)
+        E, n1, H = gu.shape
+        act = activation_of(experts.act_fn)
+        method = routing_method_of(block)
+        top_k = int(getattr(block.gate, "top_k", getattr(block, "top_k", 0)))
+        if top_k <= 0:
+            raise error("model", f"{name}: cannot find the router's top_k")
+        dev = device
+        if dev is None:
+            dev = "cpu" if gu.device.type == "cpu" else f"cuda:{gu.device.index or 0}"
+        if quantize:
+            q = _api.quantize_weights(gu, dn, gate_up_order="gate_first", activation=act)
+            weights = _api.prepare_weights(**q, gate_up_order="gate_first", activation=act, device=dev)
+            if write_back:
+                w1, w2 = _api.dequantize_weights(**q)
+                _write_back(experts, w1, w2)
+        else:
+            weights = _api.from_hf_experts(gu.to(torch.bfloat16), dn.to(torch.bfloat16), quantize=False,
+                                           activation=act, device=dev)
+        registry = None
+        slots = {}
+        if adapters not in (None, False) and wrappers:
+            names = []
+            for wr in wrappers:
+                for n in wr.lora_A.keys():
+                    if n not in names:
+                        names.append(n)
+            if adapters != "auto":
+                wanted = list(adapters)
+                missing = [n for n in wanted if n not in names]
+                if missing:
+                    raise error("adapters", f"{name}: no LoRA named {missing}; found {names}")
+                names = wanted
+            if len(names) > num_slots:
+                raise error("num_slots", f"{len(names)} adapters do not fit in {num_slots} slots")
+            registry = _api.AdapterRegistry(weights, num_slots)
+            for slot, an in enumerate(names):
+                got = _adapter_tensors(wrappers, an, E)
+                if got is None:
+                    continue
+                tensors, r, alpha, rslora = got
+                registry.load(slot, tensors, layout="peft_fused", rank=r, lora_alpha=alpha, use_rslora=rslora)
+                slots[an] = slot
+        new = Fp4MoeSparseMoeBlock(block.gate, weights, top_k=top_k, routing_method=method, num_experts=E,
+                                   activation=act, adapters=registry, adapter_slots=slots,
+                                   active_adapter=active if active in slots else None, routing=routing,
+                                   source=type(block).__name__)
+        if use_workspace and max_tokens > 0:
+            new.workspace = _ops.workspace_for(weights, max_tokens, top_k, activation=act,
+                                               routing_from_logits=routing == "fused",
+                                               max_lora_rank=64 if registry is not None else 0)
+        _set_submodule(model, name, new)
+        swap.blocks[name] = new
+        swap.originals[name] = block
+    return swap
+
+
+def _blocks(model: nn.Module):
+    return [m for m in model.modules() if isinstance(m, Fp4MoeSparseMoeBlock)]
+
+
+def set_active_adapter(model: nn.Module, name: Optional[str]) -> None:
+    """Every swapped block runs adapter `name` for all tokens (None = base)."""
+    for b in _blocks(model):
+        b.set_active_adapter(name)
+
+
+def set_adapter_ids(model: nn.Module, ids) -> None:
+    """A mixed batch: one adapter per sequence (int [B], a slot index as in block.adapter_slots; -1 = base),
+    or a list of adapter names / None. None (the argument) clears it (back to the active adapter)."""
+    for b in _blocks(model):
+        if ids is None:
+            b.adapter_ids = None
+            continue
+        if isinstance(ids, torch.Tensor):
+            t = ids.to(torch.int32)
+        else:
+            vals = [-1 if v is None else (b.adapter_slots[v] if isinstance(v, str) else int(v)) for v in ids]
+            t = torch.tensor(vals, dtype=torch.int32)
+        b.adapter_ids = t.to(b.weights.device)  # on the weights' device now: no copy inside forward (graphs)
