@@ -10,6 +10,7 @@
 
 #include "fp4moe/fp4moe.h"
 #include "fp4moe/synthetic.h"
+#include "bench.h"
 #include "check.h"
 #ifdef FP4MOE_WITH_CUDA
 #include <cuda_runtime.h>
@@ -31,7 +32,7 @@ int usage() {
       "                                             on the GPU when there is one, else on the CPU reference\n"
       "  info                                       build information\n"
       "  check [--help]                             validation harness: LoRA phases and invariants vs the CPU reference\n"
-      "  bench                                      benchmarks (not in this build yet)");
+      "  bench [--help]                             benchmarks: time, bandwidth, TFLOP/s vs ceilings measured in the same run");
   return 2;
 }
 
@@ -201,10 +202,7 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (cmd == "check") return run_check(argc - 2, argv + 2);
-    if (cmd == "bench") {
-      std::fprintf(stderr, "fp4moe %s: not available in this build yet\n", cmd.c_str());
-      return 2;
-    }
+    if (cmd == "bench") return run_bench(argc - 2, argv + 2);
     return usage();
   } catch (const Error& e) {
     std::fprintf(stderr, "fp4moe %s: error (%s): %s\n", cmd.c_str(), to_string(e.code()), e.what());

@@ -1,0 +1,151 @@
+// The byte / FLOP counting and statistics of `fp4moe bench` (tools/fp4moe/bench.h), checked against
+// independent computations: element-by-element sums, brute-force sets, sorted-sample order statistics.
+#include <gtest/gtest.h>
+
+#include <map>
+#include <random>
+#include <set>
+
+#include "../../tools/fp4moe/bench.h"
+#include "fp4moe/model_shapes.h"
+
+namespace fp4moe {
+namespace {
+
+// Bytes of a [N, K] NVFP4 matrix summed a row at a time: K/2 code bytes and K/16 scale bytes.
+int64_t nvfp4_bytes_by_rows(int64_t N, int64_t K) {
+  int64_t b = 0;
+  for (int64_t n = 0; n < N; ++n) b += K / 2 + K / 16;
+  return b;
+}
+
+TEST(BenchCounting, ExpertBytesMatchRowSums) {
+  for (const auto& s : kModelShapes) {
+    const bool gated = is_gated(s.activation);
+    const int64_t N1 = gated ? 2 * s.I : s.I;
+    const int64_t fp4 = nvfp4_bytes_by_rows(N1, s.H) + nvfp4_bytes_by_rows(s.H, s.I) + (gated ? 3 : 2) * 4;
+    EXPECT_EQ(bench::expert_weight_bytes(WeightFormat::NVFP4, s.H, s.I, gated), fp4) << s.name;
+    EXPECT_EQ(bench::expert_weight_bytes(WeightFormat::BF16, s.H, s.I, gated), 2 * (N1 * s.H + s.H * s.I)) << s.name;
+    // NVFP4 is 4.5 bits an element (+ a few global-scale bytes): 9/32 of bf16.
+    const double ratio = double(bench::expert_weight_bytes(WeightFormat::NVFP4, s.H, s.I, gated)) /
+                         double(bench::expert_weight_bytes(WeightFormat::BF16, s.H, s.I, gated));
+    EXPECT_NEAR(ratio, 9.0 / 32.0, 1e-5) << s.name;
+  }
+}
+
+TEST(BenchCounting, KnownShapeNumbers) {
+  // mixtral_8x7b: W1 [28672, 4096], W2 [4096, 14336] -> 176160768 elements an expert.
+  const int64_t elems = 2 * 14336 * 4096 + 4096 * 14336;
+  EXPECT_EQ(bench::expert_weight_bytes(WeightFormat::NVFP4, 4096, 14336, true), elems / 2 + elems / 16 + 12);
+  // Non-gated: W1 [I, H], one W1 global scale.
+  EXPECT_EQ(bench::expert_weight_bytes(WeightFormat::NVFP4, 32, 16, false), (16 * 32 + 32 * 16) * 9 / 16 + 8);
+  EXPECT_THROW(bench::nvfp4_matrix_bytes(4, 20), std::invalid_argument);
+  EXPECT_THROW(bench::expert_weight_bytes(WeightFormat::NVFP4, 0, 16, true), std::invalid_argument);
+}
+
+TEST(BenchCounting, FlopsCountMultiplyAdds) {
+  // Count multiply-adds of the two GEMMs of one pair with loops, then scale by the slots.
+  const int64_t H = 48, I = 32;
+  for (bool gated : {true, false}) {
+    const int64_t N1 = gated ? 2 * I : I;
+    int64_t macs = 0;
+    for (int64_t n = 0; n < N1; ++n) macs += H;  // GEMM1 row n: H multiply-adds
+    for (int64_t h = 0; h < H; ++h) macs += I;   // GEMM2 row h: I multiply-adds
+    EXPECT_DOUBLE_EQ(bench::base_flops(7, H, I, gated), 2.0 * 7 * macs);
+    const int64_t r = 16;
+    const int64_t lora_macs = r * H + N1 * r + r * I + H * r;  // shrink + expand of both projections
+    EXPECT_DOUBLE_EQ(bench::lora_flops(5, H, I, gated, r), 2.0 * 5 * lora_macs);
+    EXPECT_EQ(bench::lora_pair_bytes(H, I, gated, r), 2 * lora_macs);  // one bf16 element per multiply-add
+  }
+}
+
+TEST(BenchCounting, TouchAgainstBruteForce) {
+  std::mt19937 rng(1234);
+  for (int trial = 0; trial < 50; ++trial) {
+    const int64_t T = 1 + rng() % 40, k = 1 + rng() % 6, E = 8 + rng() % 40;
+    const int64_t E_loc = 1 + rng() % E, off = rng() % (E - E_loc + 1);
+    std::vector<int32_t> ids(T * k), aids(T);
+    for (auto& v : ids) v = static_cast<int32_t>(rng() % E);
+    for (auto& v : aids) v = static_cast<int32_t>(rng() % 5) - 1;  // -1 = base
+    std::set<int64_t> experts;
+    std::set<std::pair<int, int64_t>> pairs;
+    int64_t slots = 0, adapted = 0;
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t g = ids[t * k + j];
+        if (g < off || g >= off + E_loc) continue;
+        ++slots;
+        experts.insert(g);
+        if (aids[t] >= 0) {
+          ++adapted;
+          pairs.insert({aids[t], g});
+        }
+      }
+    const bench::Touch got = bench::count_touch(ids, T, k, off, E_loc, aids);
+    EXPECT_EQ(got.local_slots, slots);
+    EXPECT_EQ(got.touched_experts, static_cast<int64_t>(experts.size()));
+    EXPECT_EQ(got.adapted_slots, adapted);
+    EXPECT_EQ(got.touched_pairs, static_cast<int64_t>(pairs.size()));
+    const bench::Touch base = bench::count_touch(ids, T, k, off, E_loc);
+    EXPECT_EQ(base.local_slots, slots);
+    EXPECT_EQ(base.adapted_slots, 0);
+    EXPECT_EQ(base.touched_pairs, 0);
+  }
+  EXPECT_THROW(bench::count_touch({0, 1, 2}, 2, 2, 0, 4), std::invalid_argument);
+  EXPECT_THROW(bench::count_touch({0, 1}, 1, 2, 0, 4, {0, 0}), std::invalid_argument);
+}
+
+TEST(BenchCounting, PercentileOrderStatistics) {
+  std::mt19937 rng(5);
+  std::vector<double> v(101);
+  for (auto& x : v) x = std::uniform_real_distribution<double>(0, 100)(rng);
+  std::vector<double> s = v;
+  std::sort(s.begin(), s.end());
+  // 101 samples: percentile p is exactly the p-th order statistic.
+  EXPECT_DOUBLE_EQ(bench::percentile(v, 50), s[50]);
+  EXPECT_DOUBLE_EQ(bench::percentile(v, 10), s[10]);
+  EXPECT_DOUBLE_EQ(bench::percentile(v, 90), s[90]);
+  EXPECT_DOUBLE_EQ(bench::percentile(v, 0), s.front());
+  EXPECT_DOUBLE_EQ(bench::percentile(v, 100), s.back());
+  // Even count: the median is the mean of the two middle values.
+  EXPECT_DOUBLE_EQ(bench::percentile({4, 1, 3, 2}, 50), 2.5);
+  EXPECT_DOUBLE_EQ(bench::percentile({7}, 90), 7);
+  EXPECT_THROW(bench::percentile({}, 50), std::invalid_argument);
+  EXPECT_THROW(bench::percentile({1, 2}, 101), std::invalid_argument);
+}
+
+TEST(BenchCounting, DerivedMetrics) {
+  // 1 GB of weights in 500 us: 2000 GB/s, half of a 4000 GB/s copy; 5e10 FLOP in 500 us: 100 TFLOP/s.
+  const double wb = 1e9, io = 1e8, flops = 5e10;
+  const bench::Metrics m = bench::derive_metrics(500.0, wb, io, flops, 4000.0, 800.0);
+  EXPECT_NEAR(m.gbps, 2000.0, 1e-9);
+  EXPECT_NEAR(m.ratio_copy, 0.5, 1e-12);
+  EXPECT_NEAR(m.tflops, 100.0, 1e-9);
+  EXPECT_NEAR(m.ratio_gemm, 0.125, 1e-12);
+  EXPECT_NEAR(m.floor_mem_us, 1.1e9 / 4e12 * 1e6, 1e-9);  // 275 us
+  EXPECT_NEAR(m.floor_compute_us, 62.5, 1e-9);  // 5e10 / 8e14 s
+  EXPECT_NEAR(m.floor_us, 275.0, 1e-9);
+  EXPECT_NEAR(m.time_over_floor, 500.0 / 275.0, 1e-12);
+  // Compute-bound: the compute term is the floor.
+  const bench::Metrics c = bench::derive_metrics(1000.0, 1e6, 0, 4e11, 4000.0, 800.0);  // 4e11 / 8e14 s = 500 us
+  EXPECT_NEAR(c.floor_us, 500.0, 1e-9);
+  // Unknown GEMM ceiling: no ratio, the memory term alone.
+  const bench::Metrics u = bench::derive_metrics(1000.0, 4e9, 0, 4e14, 4000.0, 0.0);
+  EXPECT_EQ(u.ratio_gemm, 0.0);
+  EXPECT_NEAR(u.floor_us, 1000.0, 1e-9);
+  EXPECT_NEAR(u.time_over_floor, 1.0, 1e-12);
+  EXPECT_THROW(bench::derive_metrics(0.0, 1, 1, 1, 1, 1), std::invalid_argument);
+  EXPECT_DOUBLE_EQ(bench::io_bytes(3, 16, 8, true), 3.0 * (32 + 32 + 32 + 4));
+}
+
+TEST(BenchCounting, ListParsing) {
+  EXPECT_EQ(bench::parse_int_list("1,64,16384"), (std::vector<int64_t>{1, 64, 16384}));
+  EXPECT_EQ(bench::parse_int_list("7"), (std::vector<int64_t>{7}));
+  for (const char* bad : {"", ",", "1,", ",1", "1,,2", "-1", "1.5", "a", "1 ,2", "9999999999999"})
+    EXPECT_THROW(bench::parse_int_list(bad), std::invalid_argument) << bad;
+  EXPECT_EQ(bench::split_list("a,b"), (std::vector<std::string>{"a", "b"}));
+  EXPECT_THROW(bench::split_list("a,"), std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace fp4moe

@@ -1,0 +1,177 @@
+// `fp4moe bench`: the benchmark suite (docs/api.md, "Benchmarks"), and the byte / FLOP counting it
+// reports with. The counting functions are pure host code, shared with tests/cpp/test_bench_counting.cpp.
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <set>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "fp4moe/types.h"
+
+namespace fp4moe {
+
+// argv holds the arguments after the word "bench" (main passes argc - 2, argv + 2).
+// Returns 0 when every case ran (a case the backend reports Unsupported counts as ran), 1 when a
+// case failed, 2 on a usage error or when the build has no CUDA backend / the machine no GPU.
+int run_bench(int argc, char** argv);
+
+namespace bench {
+
+// ---- bytes of one expert's weights --------------------------------------------------------------
+// NVFP4 [N, K]: packed codes (K/2 bytes a row) + one e4m3 scale per 16 elements.
+inline int64_t nvfp4_matrix_bytes(int64_t N, int64_t K) {
+  if (N < 0 || K < 0 || K % 16 != 0) throw std::invalid_argument("nvfp4_matrix_bytes: K must be a multiple of 16");
+  return N * (K / 2) + N * (K / 16);
+}
+
+// Weight bytes of one expert: W1 [N1, H] and W2 [H, I] (N1 = 2I gated, I otherwise), with the fp32
+// global scales for NVFP4 (W1: one per half, W2: one); bf16 weights: 2 bytes an element.
+inline int64_t expert_weight_bytes(WeightFormat format, int64_t H, int64_t I, bool gated) {
+  if (H <= 0 || I <= 0) throw std::invalid_argument("expert_weight_bytes: H and I must be positive");
+  const int64_t N1 = gated ? 2 * I : I;
+  if (format == WeightFormat::BF16) return 2 * (N1 * H + H * I);
+  return nvfp4_matrix_bytes(N1, H) + (gated ? 2 : 1) * 4 + nvfp4_matrix_bytes(H, I) + 4;
+}
+
+// bf16 bytes of one (adapter, expert) pair of a PEFT-fused rank-r adapter: A1 [r, H], B1 [N1, r],
+// A2 [r, I], B2 [H, r].
+inline int64_t lora_pair_bytes(int64_t H, int64_t I, bool gated, int64_t r) {
+  const int64_t N1 = gated ? 2 * I : I;
+  return 2 * (r * H + N1 * r + r * I + H * r);
+}
+
+// ---- FLOPs ----------------------------------------------------------------------------------------
+// Base operator: each routed (token, slot) pair on a local expert does GEMM1 (N1 x H) and GEMM2 (H x I).
+inline double base_flops(int64_t local_slots, int64_t H, int64_t I, bool gated) {
+  const double N1 = gated ? 2.0 * I : double(I);
+  return 2.0 * double(local_slots) * (N1 * double(H) + double(H) * double(I));
+}
+// LoRA on top: shrink and expand of both projections, for every adapted (token, slot) pair.
+inline double lora_flops(int64_t adapted_slots, int64_t H, int64_t I, bool gated, int64_t r) {
+  const double N1 = gated ? 2.0 * I : double(I);
+  return 2.0 * double(adapted_slots) * double(r) * (double(H) + N1 + double(I) + double(H));
+}
+
+// ---- what a routing touches -------------------------------------------------------------------------
+struct Touch {
+  int64_t local_slots = 0;      // (token, slot) pairs whose expert is local
+  int64_t touched_experts = 0;  // local experts with at least one such pair
+  int64_t adapted_slots = 0;    // local pairs whose token carries an adapter (id >= 0)
+  int64_t touched_pairs = 0;    // distinct (adapter, local expert) pairs used
+};
+
+// ids: [T, k] global expert ids; local experts are [offset, offset + E_loc). adapter_ids: [T] or empty
+// (no LoRA), -1 = base. Ids outside the local range count as remote (they touch nothing here).
+inline Touch count_touch(const std::vector<int32_t>& ids, int64_t T, int64_t k, int64_t offset, int64_t E_loc,
+                         const std::vector<int32_t>& adapter_ids = {}) {
+  if (T < 0 || k <= 0 || E_loc <= 0 || static_cast<int64_t>(ids.size()) != T * k)
+    throw std::invalid_argument("count_touch: ids must hold T*k entries, k and E_loc positive");
+  if (!adapter_ids.empty() && static_cast<int64_t>(adapter_ids.size()) != T)
+    throw std::invalid_argument("count_touch: adapter_ids must hold T entries (or none)");
+  Touch t;
+  std::vector<char> hit(static_cast<size_t>(E_loc), 0);
+  std::set<std::pair<int32_t, int64_t>> pairs;
+  for (int64_t i = 0; i < T; ++i)
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t e = static_cast<int64_t>(ids[i * k + j]) - offset;
+      if (e < 0 || e >= E_loc) continue;
+      ++t.local_slots;
+      hit[e] = 1;
+      if (!adapter_ids.empty() && adapter_ids[i] >= 0) {
+        ++t.adapted_slots;
+        pairs.insert({adapter_ids[i], e});
+      }
+    }
+  for (char h : hit) t.touched_experts += h;
+  t.touched_pairs = static_cast<int64_t>(pairs.size());
+  return t;
+}
+
+// ---- statistics ------------------------------------------------------------------------------------
+// Percentile p in [0, 100] with linear interpolation between order statistics (p = 50: the median).
+inline double percentile(std::vector<double> v, double p) {
+  if (v.empty()) throw std::invalid_argument("percentile: no samples");
+  if (!(p >= 0.0 && p <= 100.0)) throw std::invalid_argument("percentile: p must be in [0, 100]");
+  std::sort(v.begin(), v.end());
+  const double pos = p / 100.0 * double(v.size() - 1);
+  const size_t lo = static_cast<size_t>(std::floor(pos));
+  const size_t hi = std::min(lo + 1, v.size() - 1);
+  const double f = pos - double(lo);
+  return v[lo] + (v[hi] - v[lo]) * f;
+}
+
+// ---- derived metrics of one case --------------------------------------------------------------------
+struct Metrics {
+  double gbps = 0;              // weight bytes / time
+  double ratio_copy = 0;        // gbps / copy ceiling
+  double tflops = 0;            // FLOPs / time
+  double ratio_gemm = 0;        // tflops / GEMM ceiling
+  double floor_mem_us = 0;      // (weight + I/O bytes) / copy ceiling
+  double floor_compute_us = 0;  // FLOPs / GEMM ceiling
+  double floor_us = 0;          // max of the two (METHOD: the larger of the two times is the floor)
+  double time_over_floor = 0;   // time / floor
+};
+
+// time_us > 0; ceilings in GB/s and TFLOP/s (<= 0: unknown, the ratios and that floor term stay 0).
+inline Metrics derive_metrics(double time_us, double weight_bytes, double io_bytes, double flops, double copy_gbps,
+                              double gemm_tflops) {
+  if (!(time_us > 0)) throw std::invalid_argument("derive_metrics: time must be positive");
+  Metrics m;
+  const double s = time_us * 1e-6;
+  m.gbps = weight_bytes / s / 1e9;
+  m.tflops = flops / s / 1e12;
+  if (copy_gbps > 0) {
+    m.ratio_copy = m.gbps / copy_gbps;
+    m.floor_mem_us = (weight_bytes + io_bytes) / (copy_gbps * 1e9) * 1e6;
+  }
+  if (gemm_tflops > 0) {
+    m.ratio_gemm = m.tflops / gemm_tflops;
+    m.floor_compute_us = flops / (gemm_tflops * 1e12) * 1e6;
+  }
+  m.floor_us = std::max(m.floor_mem_us, m.floor_compute_us);
+  m.time_over_floor = m.floor_us > 0 ? time_us / m.floor_us : 0;
+  return m;
+}
+
+// Bytes the call must move besides weights: x read and y written (bf16 [T, H]), fp32 logits [T, E_total]
+// read, and the i32 adapter ids when given.
+inline double io_bytes(int64_t T, int64_t H, int64_t E_total, bool with_adapter_ids) {
+  return double(T) * (2.0 * H + 2.0 * H + 4.0 * E_total + (with_adapter_ids ? 4.0 : 0.0));
+}
+
+// "1,8,64" -> {1, 8, 64}; throws std::invalid_argument on anything else (empty items, signs, junk).
+inline std::vector<int64_t> parse_int_list(const std::string& s) {
+  std::vector<int64_t> out;
+  size_t i = 0;
+  while (i <= s.size()) {
+    const size_t j = s.find(',', i);
+    const std::string item = s.substr(i, j == std::string::npos ? std::string::npos : j - i);
+    if (item.empty() || item.size() > 12 || item.find_first_not_of("0123456789") != std::string::npos)
+      throw std::invalid_argument("expected a comma-separated list of non-negative integers, got '" + s + "'");
+    out.push_back(std::stoll(item));
+    if (j == std::string::npos) break;
+    i = j + 1;
+  }
+  return out;
+}
+
+inline std::vector<std::string> split_list(const std::string& s) {
+  std::vector<std::string> out;
+  size_t i = 0;
+  while (true) {
+    const size_t j = s.find(',', i);
+    std::string item = s.substr(i, j == std::string::npos ? std::string::npos : j - i);
+    if (item.empty()) throw std::invalid_argument("empty item in list '" + s + "'");
+    out.push_back(item);
+    if (j == std::string::npos) break;
+    i = j + 1;
+  }
+  return out;
+}
+
+}  // namespace bench
+}  // namespace fp4moe
