@@ -122,11 +122,52 @@ def parse_cuobjdump_list_elf(text: str) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
-def cubin_counts(binary: Path) -> dict[str, int] | str:
+def fatbin_cubin_counts(data: bytes, archs: list[str]) -> dict[str, int]:
+    """Counts the cubins (fatbin entries of kind 2, ELF) per SM version in the ELF section .nv_fatbin, without
+    cuobjdump. The entry header carries the SM number (90), not the 'a' suffix: an SM listed as "<sm>a" in the
+    build's architectures is reported with it."""
+    counts: dict[str, int] = {}
+    if data[:4] != b"\x7fELF" or data[4] != 2:
+        return counts
+    shoff = struct.unpack_from("<Q", data, 0x28)[0]
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
+    secs = [struct.unpack_from("<IIQQQQ", data, shoff + i * shentsize) for i in range(shnum)]
+    stroff = secs[shstrndx][4]
+
+    def name(o: int) -> str:
+        return data[stroff + o:data.index(b"\0", stroff + o)].decode(errors="replace")
+
+    for sec in secs:
+        if name(sec[0]) != ".nv_fatbin":
+            continue
+        off, end = sec[4], sec[4] + sec[5]
+        while off + 16 <= end:
+            magic, _ver, hsize, fsize = struct.unpack_from("<IHHQ", data, off)
+            if magic != 0xBA55ED50:
+                off += 8  # fatbins are 8-byte aligned inside the section
+                continue
+            p, q = off + hsize, min(off + hsize + fsize, end)
+            while p + 32 <= q:
+                kind, _f, ehsize, psize = struct.unpack_from("<HHIQ", data, p)
+                sm = struct.unpack_from("<I", data, p + 28)[0]
+                if kind == 2:
+                    label = f"{sm}a" if f"{sm}a" in archs else str(sm)
+                    counts[label] = counts.get(label, 0) + 1
+                if ehsize == 0:
+                    break
+                p += ehsize + psize
+            off = max(q, off + 16)
+    return dict(sorted(counts.items()))
+
+
+def cubin_counts(binary: Path, archs: list[str] | None = None) -> dict[str, int] | str:
     tool = shutil.which("cuobjdump") or (
         "/usr/local/cuda/bin/cuobjdump" if os.access("/usr/local/cuda/bin/cuobjdump", os.X_OK) else None)
     if not tool:
-        return "unknown"
+        try:
+            return fatbin_cubin_counts(Path(binary).read_bytes(), archs or [])
+        except (OSError, struct.error, ValueError, IndexError):
+            return "unknown"
     try:
         r = subprocess.run([tool, "--list-elf", str(binary)], capture_output=True, text=True, timeout=120)
     except (OSError, subprocess.TimeoutExpired):
@@ -200,7 +241,7 @@ def collect(binary: Path, source_dir: Path | None) -> dict:
         "with_cuda": info.get("with_cuda", None),
         "cuda_archs": list(info.get("cuda_archs", [])),
         # A build without CUDA carries no cubins whether or not cuobjdump is installed.
-        "cubins": {} if info.get("with_cuda") is False else cubin_counts(binary),
+        "cubins": {} if info.get("with_cuda") is False else cubin_counts(binary, list(info.get("cuda_archs", []))),
         "min_glibc": mins["GLIBC"],
         "min_glibcxx": mins["GLIBCXX"],
         "min_cxxabi": mins["CXXABI"],

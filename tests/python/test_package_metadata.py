@@ -180,3 +180,26 @@ def test_print_source_hash(tmp_path, capsys):
     (tmp_path / "src" / "a.cpp").write_text("int a;")
     assert md.main(["--print-source-hash", "--source-dir", str(tmp_path)]) == 0
     assert capsys.readouterr().out.strip() == md.files_hash(tmp_path / "src")
+
+
+def test_fatbin_cubin_count_without_cuobjdump_on_a_built_extension():
+    """The pure-Python fatbin reader counts the cubins of a real CUDA build of the extension."""
+    import glob
+    import os
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+    import metadata
+    build = os.environ.get("FP4MOE_BUILD_DIR", "build")
+    sos = glob.glob(os.path.join(build, "python", "fp4moe", "_C*.so"))
+    if not sos:
+        pytest.skip("no built extension under $FP4MOE_BUILD_DIR")
+    data = Path(sos[0]).read_bytes()
+    counts = metadata.fatbin_cubin_counts(data, ["90a"])
+    if b".nv_fatbin" not in data:
+        assert counts == {}
+        pytest.skip("CPU-only build: no device code to count")
+    assert counts and all(n > 0 for n in counts.values()), counts
+    assert "90a" in counts, counts
+    # Not an ELF: nothing counted.
+    assert metadata.fatbin_cubin_counts(b"not an elf at all" * 4, ["90a"]) == {}
