@@ -25,7 +25,10 @@ struct ProblemShape {
   int64_t n_group = 1;              // DeepSeekV3 groups (routing from logits)
   bool has_shared = false;          // shared expert present
   int64_t shared_I = 0;             // its intermediate size
-  bool has_lora = false;            // registry LoRA in the call (not yet run by the CUDA backend)
+  bool has_lora = false;            // registry LoRA in the call (an AdapterRegistry is given)
+  // The largest adapter rank r (1..64) among the registry's adapters; 0 = unknown (sized for r = 64).
+  // The LoRA buffers hold ranks up to 2r (PerExpert's canonical gate_up rank); they never change the
+  // chunking or the GEMM tiles (a token's bits do not depend on LoRA being present).
   int64_t max_lora_rank = 0;
   // Upper bound (bytes) for the token-proportional workspace buffers; tokens beyond it are processed
   // in chunks of chunk_tokens. 0 = the default (kDefaultWorkspaceBudget).
@@ -95,6 +98,18 @@ struct MoePlan {
   WorkspaceBuffer out;            // f32 [rows, H]: o per entry t*k + j
   WorkspaceBuffer shared_act;     // bf16 [chunk, shared_I]
   WorkspaceBuffer shared_out;     // f32 [chunk, H]
+  // Multi-LoRA (has_lora): the shrink products t = bf16(in . A^T) kept as f32, expanded in the GEMM
+  // epilogues (and, for SharedOuter's down projection, in the combine).
+  int64_t lora_rank = 0;          // R: max_lora_rank resolved (0 without LoRA)
+  int64_t lora_r1_stride = 0;     // 2R: row stride (elements) of lora_t1
+  int64_t lora_r2_stride = 0;     // R: row stride of lora_t2, lora_shared_t1, lora_shared_t2
+  int lora_shrink1_threads = 0;   // shrink of x: one block per token
+  int lora_shrink2_threads = 0;   // shrink of a: one block per GEMM1 output row
+  WorkspaceBuffer lora_slot;      // i32 [chunk]: each token's checked adapter slot (-1 = base or dropped)
+  WorkspaceBuffer lora_t1;        // f32 [rows, 2R] by entry t*k + j (SharedOuter: row t*k for the token)
+  WorkspaceBuffer lora_t2;        // f32 [rows, R] by entry
+  WorkspaceBuffer lora_shared_t1; // f32 [chunk, R] the shared expert's own LoRA
+  WorkspaceBuffer lora_shared_t2; // f32 [chunk, R]
   size_t workspace_bytes = 0;
 };
 
@@ -107,6 +122,7 @@ constexpr int64_t kMaxLocalExperts = 4096;    // per-block expert counters and t
 constexpr int64_t kMaxGroups = 64;
 constexpr int64_t kMaxTokens = int64_t(1) << 30;
 constexpr int64_t kMaxHidden = int64_t(1) << 20;  // H, I: keeps every per-row index inside int32
+constexpr int64_t kMaxLoraRank = 64;              // an adapter's r (SPEC §5)
 
 constexpr int kNumGemmConfigs = 3;
 inline constexpr GemmConfig kGemmConfigs[kNumGemmConfigs] = {

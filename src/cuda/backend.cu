@@ -181,9 +181,12 @@ void check_device_errors(int device_id) {
   check_cuda(cudaMemcpy(&v, flag, sizeof(int), cudaMemcpyDeviceToHost), "cudaMemcpy (device error flag)");
   if (v == 0) return;
   check_cuda(cudaMemset(flag, 0, sizeof(int)), "cudaMemset (device error flag)");
-  if (v == 1)
+  if (v == kErrTopkIds)
     throw Error(ErrorCode::DeviceFault, "routing.topk_ids",
                 "a precomputed expert id on the GPU was outside [0, num_experts_total); its (token, slot) was dropped");
+  if (v == kErrAdapterIds)
+    throw Error(ErrorCode::DeviceFault, "adapter_ids",
+                "an adapter id on the GPU was not -1 nor a loaded slot of the registry; that token ran without LoRA");
   throw Error(ErrorCode::DeviceFault, "", "internal: the permutation produced more tiles than planned (code " +
                                               std::to_string(v) + ")");
 }
@@ -269,6 +272,104 @@ std::shared_ptr<void> prepare_device_adapter(const PreparedAdapter& a, int devic
 
 namespace {
 
+// ---- the device slot table of an adapter snapshot ------------------------------------------------------
+// The registry replaces its snapshot (copy-on-write) on every load/unload and hands the same snapshot to
+// every call in between, so the kernels' LoraSlot array is built once per snapshot and device, and cached
+// here while the snapshot lives (a weak reference: the cache never keeps adapters alive). A call whose
+// snapshot is cached makes no CUDA API call for it, so it can be captured in a CUDA graph. A new snapshot
+// is uploaded synchronously on a private non-blocking stream, with this thread's capture mode relaxed for
+// the allocation, so that even the first call after a load may be captured. Tables of expired snapshots
+// are freed at a later call that is not being captured (cudaFree waits for the device, so no kernel still
+// reads them). A graph captured with adapters keeps raw pointers to them: capture again after load/unload.
+struct LoraTableEntry {
+  int device = 0;
+  const void* key = nullptr;
+  std::weak_ptr<const std::vector<std::shared_ptr<const PreparedAdapter>>> snap;
+  LoraSlot* table = nullptr;
+};
+std::mutex g_lora_mu;
+std::vector<LoraTableEntry> g_lora_tables;
+std::vector<cudaStream_t> g_lora_upload_streams;  // per device, created on first use
+
+// Restores this thread's stream-capture mode on scope exit.
+class RelaxedCaptureMode {
+ public:
+  RelaxedCaptureMode() { (void)cudaThreadExchangeStreamCaptureMode(&mode_); }
+  ~RelaxedCaptureMode() { (void)cudaThreadExchangeStreamCaptureMode(&mode_); }
+  RelaxedCaptureMode(const RelaxedCaptureMode&) = delete;
+  RelaxedCaptureMode& operator=(const RelaxedCaptureMode&) = delete;
+
+ private:
+  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
+};
+
+LoraProj make_proj(const uint16_t* A, const uint16_t* B, int64_t r, bool present, bool a_shared, bool b_shared) {
+  LoraProj pj;
+  if (!present || r <= 0 || !A || !B) return pj;
+  pj.A = A;
+  pj.B = B;
+  pj.r = static_cast<int32_t>(r);
+  pj.a_shared = a_shared ? 1 : 0;
+  pj.b_shared = b_shared ? 1 : 0;
+  return pj;
+}
+
+// The caller holds g_lora_mu and has made `dev` current.
+const LoraSlot* lora_table_for(const AdapterSnapshot& snap, int dev, cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  const cudaError_t qe = cudaStreamIsCapturing(stream, &status);
+  if (qe != cudaSuccess) (void)cudaGetLastError();  // not sticky: keep it out of the next launch check
+  const bool capturing = qe != cudaSuccess || status != cudaStreamCaptureStatusNone;
+  if (!capturing) {
+    for (size_t i = 0; i < g_lora_tables.size();) {
+      if (!g_lora_tables[i].snap.expired()) { ++i; continue; }
+      DeviceGuard g(g_lora_tables[i].device);
+      (void)cudaFree(g_lora_tables[i].table);
+      g_lora_tables.erase(g_lora_tables.begin() + static_cast<std::ptrdiff_t>(i));
+    }
+  }
+  for (const LoraTableEntry& e : g_lora_tables)
+    if (e.device == dev && e.key == snap.get() && e.snap.lock() == snap) return e.table;
+
+  const size_t n = snap->size();
+  std::vector<LoraSlot> host(n);
+  for (size_t i = 0; i < n; ++i) {
+    const PreparedAdapter* a = (*snap)[i].get();
+    if (!a) continue;
+    const auto* da = static_cast<const DeviceAdapter*>(a->device.get());
+    if (!da || da->device_id != dev)
+      throw Error(ErrorCode::InvalidArgument, "adapters",
+                  "slot " + std::to_string(i) + " was not prepared for the CUDA backend on device " + std::to_string(dev));
+    LoraSlot& s = host[i];
+    s.loaded = 1;
+    s.proj[kLoraGateUp] = make_proj(da->A1, da->B1, a->r1, a->has_gate_up, a->a1_shared, false);
+    s.proj[kLoraDown] = make_proj(da->A2, da->B2, a->r2, a->has_down, false, a->b2_shared);
+    s.proj[kLoraSharedGateUp] = make_proj(da->sA1, da->sB1, a->s_r, a->has_shared && a->s_has_gate_up, false, false);
+    s.proj[kLoraSharedDown] = make_proj(da->sA2, da->sB2, a->s_r, a->has_shared && a->s_has_down, false, false);
+  }
+  RelaxedCaptureMode relaxed;
+  if (static_cast<size_t>(dev) >= g_lora_upload_streams.size()) g_lora_upload_streams.resize(dev + 1, nullptr);
+  if (!g_lora_upload_streams[dev])
+    check_cuda(cudaStreamCreateWithFlags(&g_lora_upload_streams[dev], cudaStreamNonBlocking),
+               "cudaStreamCreateWithFlags (LoRA table upload)");
+  void* p = nullptr;
+  check_cuda(cudaMalloc(&p, std::max<size_t>(1, n) * sizeof(LoraSlot)), "cudaMalloc (LoRA slot table)");
+  const cudaError_t e1 = cudaMemcpyAsync(p, host.data(), n * sizeof(LoraSlot), cudaMemcpyHostToDevice,
+                                         g_lora_upload_streams[dev]);
+  const cudaError_t e2 = e1 == cudaSuccess ? cudaStreamSynchronize(g_lora_upload_streams[dev]) : e1;
+  if (e2 != cudaSuccess) {
+    (void)cudaFree(p);
+    check_cuda(e2, "cudaMemcpyAsync (LoRA slot table)");
+  }
+  LoraTableEntry entry;
+  entry.device = dev;
+  entry.key = snap.get();
+  entry.snap = snap;
+  entry.table = static_cast<LoraSlot*>(p);
+  g_lora_tables.push_back(std::move(entry));
+  return g_lora_tables.back().table;
+}
+
 // Workspace: the caller's, or one allocated on the stream for this call (freed on the stream).
 class Workspace {
  public:
@@ -317,15 +418,31 @@ GemmProblem dense_problem(const uint16_t* A, int64_t lda, int K, int rows, const
 void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& adapters) {
   const auto* dw = static_cast<const DeviceWeights*>(w.device.get());
   if (!dw) throw Error(ErrorCode::InvalidArgument, "weights", "not prepared for the CUDA backend");
-  if (adapters)
-    for (const auto& a : *adapters)
-      if (a)
-        throw Error(ErrorCode::Unsupported, "adapters",
-                    "registry LoRA is not yet implemented by the CUDA backend (use the gate_up_lora_delta bridge)");
   const DeviceWeights* sw = nullptr;
   if (args.shared_expert) {
     sw = static_cast<const DeviceWeights*>(args.shared_expert->impl().device.get());
     if (!sw) throw Error(ErrorCode::InvalidArgument, "shared_expert", "not prepared for the CUDA backend");
+  }
+  // Registry LoRA: every loaded adapter must fit this layer (and the call's shared expert); the largest
+  // rank sizes the LoRA workspace. An empty registry still runs the LoRA path (ids other than -1 flagged).
+  const bool lora = adapters != nullptr;
+  int64_t max_rank = 1;
+  if (lora) {
+    if (!args.adapter_ids.present()) throw Error(ErrorCode::InvalidArgument, "adapter_ids", "required with adapters");
+    if (!aligned(args.adapter_ids.data, 4)) throw Error(ErrorCode::InvalidArgument, "adapter_ids", "must be 4-byte aligned");
+    for (size_t i = 0; i < adapters->size(); ++i) {
+      const PreparedAdapter* a = (*adapters)[i].get();
+      if (!a) continue;
+      const std::string slot = "slot " + std::to_string(i);
+      if (a->E != w.E || a->H != w.H || a->I != w.I || a->N1 != w.n1())
+        throw Error(ErrorCode::InvalidArgument, "adapters", slot + " was prepared for another layer shape");
+      if (a->rank < 1 || a->rank > kMaxLoraRank || a->r1 > 2 * a->rank || a->r2 > a->rank ||
+          (a->has_shared && a->s_r > a->rank))
+        throw Error(ErrorCode::InvalidArgument, "adapters", slot + ": rank out of range");
+      if (sw && a->has_shared && (a->s_I != sw->I || a->s_N1 != sw->N1))
+        throw Error(ErrorCode::InvalidArgument, "adapters", slot + ": its shared-expert LoRA does not match the shared expert");
+      max_rank = std::max(max_rank, a->rank);
+    }
   }
 
   const RoutingArgs& ra = args.routing;
@@ -344,6 +461,8 @@ void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& a
   s.n_group = ra.method == RoutingMethod::DeepSeekV3 ? ra.n_group : 1;
   s.has_shared = sw != nullptr;
   s.shared_I = sw ? sw->I : 0;
+  s.has_lora = lora;
+  s.max_lora_rank = lora ? max_rank : 0;
   const MoePlan plan = make_plan(s);
   if (plan.num_chunks == 0) return;
 
@@ -353,6 +472,11 @@ void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& a
   DeviceGuard guard(dev);
   int* err = device_error_flag(dev);
   auto stream = static_cast<cudaStream_t>(args.stream);
+  const LoraSlot* lora_table = nullptr;
+  if (lora) {
+    std::lock_guard<std::mutex> lk(g_lora_mu);
+    lora_table = lora_table_for(adapters, dev, stream);
+  }
   Workspace ws(args, plan.workspace_bytes, stream);
 
   const int64_t T = s.T, H = s.H, I = s.I, k = s.k, N1 = plan.n1, E_total = s.E_total;
@@ -379,6 +503,22 @@ void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& a
   float* out_buf = ws.at<float>(plan.out);
   uint16_t* shared_act = ws.at<uint16_t>(plan.shared_act);
   float* shared_out = ws.at<float>(plan.shared_out);
+  int32_t* lora_slot = ws.at<int32_t>(plan.lora_slot);
+  float* lora_t1 = ws.at<float>(plan.lora_t1);
+  float* lora_t2 = ws.at<float>(plan.lora_t2);
+  float* lora_st1 = ws.at<float>(plan.lora_shared_t1);
+  float* lora_st2 = ws.at<float>(plan.lora_shared_t2);
+  // The expand parameters of one epilogue (table null without LoRA: every delta is +0).
+  auto expand = [&](const float* t, int64_t stride, int which) {
+    LoraExpandParams L;
+    if (!lora) return L;
+    L.table = lora_table;
+    L.token_slot = lora_slot;
+    L.t = t;
+    L.t_stride = static_cast<int>(stride);
+    L.which = which;
+    return L;
+  };
 
   for (int64_t c = 0; c < plan.num_chunks; ++c) {
     const int64_t t0 = c * plan.chunk_tokens;
@@ -426,6 +566,29 @@ void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& a
       qp.scale2 = args.fc1_input_scale;
       launch_quantize(qp, stream);
       a_in = x_q;
+    }
+
+    // 2b. LoRA: each token's slot (checked) and the shrink of the bf16 x (also in A4).
+    if (lora) {
+      LoraShrink1Params lp;
+      lp.table = lora_table;
+      lp.num_slots = static_cast<int>(adapters->size());
+      lp.adapter_ids = static_cast<const int32_t*>(args.adapter_ids.data) + t0;
+      lp.ids = ids;
+      lp.x = x + t0 * H;
+      lp.T = tc;
+      lp.k = static_cast<int>(k);
+      lp.H = static_cast<int>(H);
+      lp.E_loc = static_cast<int>(w.E);
+      lp.local_offset = static_cast<int>(args.local_expert_offset);
+      lp.shared_expert = sw != nullptr;
+      lp.token_slot = lora_slot;
+      lp.t1 = lora_t1;
+      lp.t1_stride = static_cast<int>(plan.lora_r1_stride);
+      lp.st1 = lora_st1;
+      lp.st_stride = static_cast<int>(plan.lora_r2_stride);
+      lp.error_flag = err;
+      launch_lora_shrink1(lp, plan.lora_shrink1_threads, stream);
     }
 
     // 3. Permutation.
@@ -480,8 +643,28 @@ void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& a
     e1.act_out = act_out;
     e1.I = static_cast<int>(I);
     e1.N1 = static_cast<int>(N1);
+    e1.lora = expand(lora_t1, plan.lora_r1_stride, kLoraGateUp);
     launch_gemm1(plan.gemm_config, w.format, s.activation, g1, e1, static_cast<int>(plan.n1_tiles),
                  static_cast<int>(plan.max_m_tiles), stream);
+
+    // 4b. LoRA: shrink of the bf16 a (before the A4 rounding below), per routed row.
+    if (lora) {
+      LoraShrink2Params lp;
+      lp.table = lora_table;
+      lp.token_slot = lora_slot;
+      lp.a = act_buf;
+      lp.K = static_cast<int>(I);
+      lp.rows = rows;
+      lp.row_count = expert_offsets + w.E;
+      lp.row_entry = row_entry;
+      lp.ids = ids;
+      lp.k = static_cast<int>(k);
+      lp.local_offset = static_cast<int>(args.local_expert_offset);
+      lp.which = kLoraDown;
+      lp.t = lora_t2;
+      lp.t_stride = static_cast<int>(plan.lora_r2_stride);
+      launch_lora_shrink2(lp, plan.lora_shrink2_threads, stream);
+    }
 
     // 5. A4: a -> NVFP4 values with the FC2 input encode scale.
     if (a4) {
@@ -509,6 +692,8 @@ void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& a
     e2.bias = dw->bias2;
     e2.out = out_buf;
     e2.H = static_cast<int>(H);
+    e2.token_div = static_cast<int>(k);
+    e2.lora = expand(lora_t2, plan.lora_r2_stride, kLoraDown);
     launch_gemm2(plan.gemm_config, w.format, g2, e2, static_cast<int>(plan.n2_tiles), static_cast<int>(plan.max_m_tiles),
                  stream);
 
@@ -527,8 +712,21 @@ void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& a
       es1.out = shared_act;
       es1.I = static_cast<int>(Is);
       es1.N1 = static_cast<int>(sw->N1);
+      es1.lora = expand(lora_st1, plan.lora_r2_stride, kLoraSharedGateUp);
       launch_gemm1(plan.gemm_config, sw->format, s.activation, gs1, es1, static_cast<int>(plan.shared_n1_tiles),
                    static_cast<int>(plan.shared_m_tiles), stream);
+      if (lora) {
+        LoraShrink2Params lp;
+        lp.table = lora_table;
+        lp.token_slot = lora_slot;
+        lp.a = shared_act;
+        lp.K = static_cast<int>(Is);
+        lp.rows = tc;
+        lp.which = kLoraSharedDown;
+        lp.t = lora_st2;
+        lp.t_stride = static_cast<int>(plan.lora_r2_stride);
+        launch_lora_shrink2(lp, plan.lora_shrink2_threads, stream);
+      }
       if (a4) {
         QuantizeParams qp;
         qp.x = shared_act;
@@ -546,6 +744,8 @@ void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& a
       es2.bias = sw->bias2;
       es2.out = shared_out;
       es2.H = static_cast<int>(H);
+      es2.token_div = 1;
+      es2.lora = expand(lora_st2, plan.lora_r2_stride, kLoraSharedDown);
       launch_gemm2(plan.gemm_config, sw->format, gs2, es2, static_cast<int>(plan.n2_tiles),
                    static_cast<int>(plan.shared_m_tiles), stream);
     }
@@ -564,6 +764,12 @@ void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& a
     cp.local_offset = static_cast<int>(args.local_expert_offset);
     cp.blocks_per_token = static_cast<int>(plan.combine_blocks_per_token);
     cp.threads = plan.combine_threads;
+    if (lora) {
+      cp.lora_table = lora_table;
+      cp.token_slot = lora_slot;
+      cp.lora_t2 = lora_t2;
+      cp.lora_t2_stride = static_cast<int>(plan.lora_r2_stride);
+    }
     launch_combine(cp, stream);
   }
 }

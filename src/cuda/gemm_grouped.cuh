@@ -34,6 +34,37 @@ template <int BM> __device__ __forceinline__ bool resolve_tile(const GemmProblem
 
 __device__ __forceinline__ int entry_of(const GemmProblem& g, int r) { return g.row_entry ? g.row_entry[r] : r; }
 
+// The LoRA expand of one output row: its adapter's B_e (rows of length r) and shrink row t; r = 0 when
+// the row has no delta (base token, no such projection, SharedOuter down, or no LoRA in the call).
+struct LoraRow {
+  const uint16_t* B;
+  const float* t;
+  int r;
+};
+__device__ __forceinline__ LoraRow lora_row(const LoraExpandParams& L, int token, int entry, int e, int token_div,
+                                            int N) {
+  LoraRow lr{nullptr, nullptr, 0};
+  if (!L.table) return lr;
+  const int slot = L.token_slot[token];
+  if (slot < 0) return lr;
+  const LoraProj& pj = L.table[slot].proj[L.which];
+  if (pj.r <= 0 || pj.b_shared) return lr;
+  lr.r = pj.r;
+  lr.B = pj.B + static_cast<int64_t>(e) * N * pj.r;
+  lr.t = L.t + static_cast<int64_t>(pj.a_shared ? token * token_div : entry) * L.t_stride;
+  return lr;
+}
+// delta[n] = bf16(sum_i t[i] * B[n][i]), i ascending, fp32 multiply then add (the reference's order);
+// exactly +0 when r = 0. Not unrolled: unrolling made the 128x128 bf16 GEMM1 spill registers in every
+// call, LoRA or not.
+__device__ __forceinline__ float lora_delta(const LoraRow& lr, int n) {
+  float acc = 0.f;
+  const uint16_t* b = lr.B + static_cast<int64_t>(n) * lr.r;
+#pragma unroll 1
+  for (int i = 0; i < lr.r; ++i) acc = __fadd_rn(acc, __fmul_rn(lr.t[i], dev::bf16_to_f32(b[i])));
+  return dev::bf16_to_f32(dev::f32_to_bf16(acc));
+}
+
 struct Epilogue1 {
   using Params = Epilogue1Params;
   template <class Cfg, class Act>
@@ -58,6 +89,7 @@ struct Epilogue1 {
         const int token = entry / p.token_div;
         const float rs = p.row_scale ? p.row_scale[token] : 1.f;
         const float a_even = __fmul_rn(s_even, rs), a_odd = __fmul_rn(s_odd, rs);
+        const LoraRow lr = lora_row(p.lora, token, entry, e, p.token_div, p.N1);
 #pragma unroll
         for (int nt = 0; nt < Cfg::NT; ++nt) {
           const int col = n0 + wn * Cfg::WTN + nt * 8 + 2 * (lane & 3);
@@ -78,6 +110,9 @@ struct Epilogue1 {
             }
             h0 = __fadd_rn(h0, dg);
             h1 = __fadd_rn(h1, du);
+            // The LoRA delta, always added (+0 for base rows): B1 rows are in the weights' half order.
+            h0 = __fadd_rn(h0, lora_delta(lr, p.gate_first ? j : p.I + j));
+            h1 = __fadd_rn(h1, lora_delta(lr, p.gate_first ? p.I + j : j));
             const uint16_t a = dev::f32_to_bf16(Act::apply(h0, h1, prm));
             p.out[static_cast<int64_t>(r) * p.I + j] = a;
             if (p.act_out) p.act_out[static_cast<int64_t>(entry) * p.I + j] = a;
@@ -90,6 +125,8 @@ struct Epilogue1 {
             }
             h0 = __fadd_rn(h0, d0);
             h1 = __fadd_rn(h1, d1);
+            h0 = __fadd_rn(h0, lora_delta(lr, col));
+            h1 = __fadd_rn(h1, lora_delta(lr, col + 1));
             const uint32_t a = static_cast<uint32_t>(dev::f32_to_bf16(Act::apply(h0, 0.f, prm))) |
                                (static_cast<uint32_t>(dev::f32_to_bf16(Act::apply(h1, 0.f, prm))) << 16);
             *reinterpret_cast<uint32_t*>(p.out + static_cast<int64_t>(r) * p.I + col) = a;
@@ -118,7 +155,9 @@ struct Epilogue2 {
       for (int half = 0; half < 2; ++half) {
         const int r = tr.row0 + wm * Cfg::WTM + mt * 16 + (lane >> 2) + half * 8;
         if (r >= tr.row_end) continue;
-        float* orow = p.out + static_cast<int64_t>(entry_of(g, r)) * p.H;
+        const int entry = entry_of(g, r);
+        float* orow = p.out + static_cast<int64_t>(entry) * p.H;
+        const LoraRow lr = lora_row(p.lora, entry / p.token_div, entry, e, p.token_div, p.H);
 #pragma unroll
         for (int nt = 0; nt < Cfg::NT; ++nt) {
           const int col = n0 + wn * Cfg::WTN + nt * 8 + 2 * (lane & 3);
@@ -129,8 +168,9 @@ struct Epilogue2 {
             o0 = __fadd_rn(o0, p.bias[static_cast<int64_t>(e) * p.H + col]);
             o1 = __fadd_rn(o1, p.bias[static_cast<int64_t>(e) * p.H + col + 1]);
           }
-          // + 0: the reference always adds the (zero) down-LoRA delta, which turns -0 into +0.
-          *reinterpret_cast<float2*>(orow + col) = make_float2(__fadd_rn(o0, 0.f), __fadd_rn(o1, 0.f));
+          // The down LoRA delta, always added (+0 for base rows, which turns -0 into +0 as the reference).
+          *reinterpret_cast<float2*>(orow + col) =
+              make_float2(__fadd_rn(o0, lora_delta(lr, col)), __fadd_rn(o1, lora_delta(lr, col + 1)));
         }
       }
   }

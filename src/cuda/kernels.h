@@ -49,6 +49,75 @@ struct DeviceWeights {
   ~DeviceWeights();
 };
 
+// ---- multi-LoRA on the device (SPEC §5) --------------------------------------------------------------
+// One projection of one adapter slot, the canonical matrices of runtime/prepared.h uploaded at load:
+//   A [a_shared ? 1 : E][r][K] (K = H for gate_up, I for down), B [b_shared ? 1 : E][N][r] (N = N1 or H).
+// r == 0: the slot has no such projection (its delta is +0).
+struct LoraProj {
+  const uint16_t* A = nullptr;
+  const uint16_t* B = nullptr;
+  int32_t r = 0;
+  int32_t a_shared = 0;  // SharedOuter gate_up: one A for every expert
+  int32_t b_shared = 0;  // SharedOuter down: one B, expanded once per token in the combine
+  int32_t pad = 0;
+};
+enum LoraWhich : int { kLoraGateUp = 0, kLoraDown = 1, kLoraSharedGateUp = 2, kLoraSharedDown = 3 };
+// One registry slot as the kernels see it (a device array [num_slots], one per adapter snapshot).
+struct LoraSlot {
+  LoraProj proj[4];      // by LoraWhich
+  int32_t loaded = 0;    // 0: empty slot (a token naming it is dropped to base and flagged)
+  int32_t pad[7] = {};
+};
+static_assert(sizeof(LoraProj) == 32 && sizeof(LoraSlot) == 160, "LoraSlot layout");
+
+// The expand of one GEMM epilogue: delta[n] = bf16(sum_i t[row][i] * B_e[n][i]), i in slot order, fp32
+// multiply then add (as the reference's small_matvec), added to every output (+0 without LoRA).
+struct LoraExpandParams {
+  const LoraSlot* table = nullptr;      // null: no LoRA in this call
+  const int32_t* token_slot = nullptr;  // [chunk tokens] checked slot, -1 = base
+  const float* t = nullptr;             // shrink rows (kernels.h LoraShrink*), stride t_stride
+  int t_stride = 0;
+  int which = kLoraGateUp;              // a_shared A: the t row is the token's first entry, token * token_div
+};
+
+// Shrink of x (before GEMM1), one block per token of the chunk. Resolves adapter_ids[t] into
+// token_slot[t] (out-of-range or empty: -1 and error flag 3), then
+//   t1[t*k + j][i] = bf16(x_t . A1_e[i])  for each local slot j (a_shared: once, in row t*k),
+//   st1[t][i]      = bf16(x_t . sA1[i])   when the call has a shared expert.
+struct LoraShrink1Params {
+  const LoraSlot* table = nullptr;
+  int num_slots = 0;
+  const int32_t* adapter_ids = nullptr;  // chunk-offset [T]
+  const int32_t* ids = nullptr;          // [T, k] global expert ids (chunk-offset)
+  const uint16_t* x = nullptr;           // bf16 [T, H] (chunk-offset), the un-quantized x in A4 too
+  int T = 0, k = 0, H = 0, E_loc = 0, local_offset = 0;
+  bool shared_expert = false;
+  int32_t* token_slot = nullptr;
+  float* t1 = nullptr;
+  int t1_stride = 0;
+  float* st1 = nullptr;
+  int st_stride = 0;
+  int* error_flag = nullptr;
+};
+
+// Shrink of the activations a (bf16, before A4 rounding), one block per GEMM1 output row:
+//   routed (row_entry given): t[entry][i] = bf16(a_row . A2_e[i]), rows beyond *row_count skipped;
+//   dense (shared expert):    t[row][i]   = bf16(a_row . sA2[i]).
+struct LoraShrink2Params {
+  const LoraSlot* table = nullptr;
+  const int32_t* token_slot = nullptr;
+  const uint16_t* a = nullptr;           // bf16 [rows, K]
+  int K = 0;
+  int rows = 0;
+  const int32_t* row_count = nullptr;    // routed: expert_offsets + E_loc
+  const int32_t* row_entry = nullptr;    // routed: permuted row -> entry; null: dense
+  const int32_t* ids = nullptr;          // routed: [T, k] global expert ids
+  int k = 1, local_offset = 0;
+  int which = kLoraDown;
+  float* t = nullptr;
+  int t_stride = 0;
+};
+
 // ---- kernel parameter blocks --------------------------------------------------------------------
 struct RoutingParams {
   const void* logits = nullptr;  // [T, E_total] f32 or bf16 (chunk-offset)
@@ -105,15 +174,18 @@ struct Epilogue1Params {
   uint16_t* out = nullptr;           // bf16 [rows][I] by permuted row
   uint16_t* act_out = nullptr;       // bf16 [entries][I] bridge or null
   int I = 0, N1 = 0;
+  LoraExpandParams lora;             // + bf16(t . B1_e^T) before the activation
 };
 
-// GEMM2 epilogue: o = acc * (s2[e] * in_scale) (+bias) + 0, f32 [entries][H].
+// GEMM2 epilogue: o = acc * (s2[e] * in_scale) (+bias) + down LoRA delta (+0 without), f32 [entries][H].
 struct Epilogue2Params {
   const float* s2 = nullptr;
   float in_scale = 1.f;
   const float* bias = nullptr;  // [E][H]
   float* out = nullptr;
   int H = 0;
+  int token_div = 1;            // token = entry / token_div (k routed, 1 dense)
+  LoraExpandParams lora;        // + bf16(t2 . B2_e^T); SharedOuter's shared B2 is left to the combine
 };
 
 struct QuantizeParams {
@@ -135,6 +207,12 @@ struct CombineParams {
   uint16_t* y = nullptr;         // bf16 [T, H]
   int T = 0, k = 0, H = 0, E_loc = 0, local_offset = 0;
   int blocks_per_token = 0, threads = 0;
+  // SharedOuter down LoRA: z = sum_j w_j t2[t*k + j] (local slots, slot order), dy = bf16(bf16(z) . B2^T),
+  // added after the shared expert (+0 for every other token).
+  const LoraSlot* lora_table = nullptr;
+  const int32_t* token_slot = nullptr;
+  const float* lora_t2 = nullptr;
+  int lora_t2_stride = 0;
 };
 
 // ---- launchers (all on `stream`, each checked) ---------------------------------------------------
@@ -146,12 +224,16 @@ void launch_gemm2(int config, WeightFormat fmt, const GemmProblem& g, const Epil
                   int m_tiles, cudaStream_t stream);
 void launch_quantize(const QuantizeParams& p, cudaStream_t stream);
 void launch_combine(const CombineParams& p, cudaStream_t stream);
+void launch_lora_shrink1(const LoraShrink1Params& p, int threads, cudaStream_t stream);
+void launch_lora_shrink2(const LoraShrink2Params& p, int threads, cudaStream_t stream);
 
 // Throws Error(CudaError naming `what`; OutOfMemory for allocation failures) when e != cudaSuccess.
 void check_cuda(cudaError_t e, const char* what);
 // The last launch's error (cudaGetLastError), checked.
 void check_launch(const char* kernel);
-// The per-device error flag buffer (allocated on first use).
+// The per-device error flag buffer (allocated on first use). Codes: 1 routing.topk_ids out of range,
+// 2 internal (more tiles than planned), 3 adapter_ids out of range or naming an empty slot.
 int* device_error_flag(int device_id);
+constexpr int kErrTopkIds = 1, kErrTiles = 2, kErrAdapterIds = 3;
 
 }  // namespace fp4moe::cuda_backend

@@ -55,7 +55,36 @@ __global__ void combine_kernel(CombineParams p) {
   const int64_t gid = static_cast<int64_t>(blockIdx.x);
   const int t = static_cast<int>(gid / p.blocks_per_token);
   const int h = (static_cast<int>(gid % p.blocks_per_token) * p.threads + threadIdx.x) * 4;
-  if (t >= p.T || h >= p.H) return;
+  if (t >= p.T) return;  // block-uniform
+  // SharedOuter down LoRA of this token (block-uniform): z = sum_j w_j t2_j over the local slots in slot
+  // order (fp32 multiply, then add), rounded to bf16 into shared memory for the expand below.
+  __shared__ float s_z[kMaxLoraRank];
+  const uint16_t* b2 = nullptr;
+  int r2 = 0;
+  if (p.lora_table) {
+    const int slot = p.token_slot[t];
+    if (slot >= 0) {
+      const LoraProj& pj = p.lora_table[slot].proj[kLoraDown];
+      if (pj.r > 0 && pj.b_shared) {
+        b2 = pj.B;
+        r2 = pj.r;
+      }
+    }
+  }
+  if (r2 > 0) {
+    for (int i = threadIdx.x; i < r2; i += blockDim.x) {
+      float z = 0.f;
+      for (int j = 0; j < p.k; ++j) {
+        const int64_t entry = static_cast<int64_t>(t) * p.k + j;
+        const int e = p.ids[entry] - p.local_offset;
+        if (e < 0 || e >= p.E_loc) continue;
+        z = __fadd_rn(z, __fmul_rn(p.weights[entry], p.lora_t2[entry * p.lora_t2_stride + i]));
+      }
+      s_z[i] = dev::bf16_to_f32(dev::f32_to_bf16(z));
+    }
+    __syncthreads();
+  }
+  if (h >= p.H) return;
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   for (int j = 0; j < p.k; ++j) {
     const int64_t entry = static_cast<int64_t>(t) * p.k + j;
@@ -75,9 +104,17 @@ __global__ void combine_kernel(CombineParams p) {
     acc[2] = __fadd_rn(acc[2], s.z);
     acc[3] = __fadd_rn(acc[3], s.w);
   }
+  // + the SharedOuter down delta dy = bf16(bf16(z) . B2^T), i ascending; +0 for every other token.
+  float dy[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int q = 0; q < 4 && r2 > 0; ++q) {
+    const uint16_t* brow = b2 + static_cast<int64_t>(h + q) * r2;
+    float d = 0.f;
+    for (int i = 0; i < r2; ++i) d = __fadd_rn(d, __fmul_rn(s_z[i], dev::bf16_to_f32(brow[i])));
+    dy[q] = dev::bf16_to_f32(dev::f32_to_bf16(d));
+  }
   uint16_t* y = p.y + static_cast<int64_t>(t) * p.H + h;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) y[i] = dev::f32_to_bf16(__fadd_rn(acc[i], 0.f));  // + the (zero) LoRA delta
+  for (int i = 0; i < 4; ++i) y[i] = dev::f32_to_bf16(__fadd_rn(acc[i], dy[i]));
 }
 
 }  // namespace

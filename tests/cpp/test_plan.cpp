@@ -23,7 +23,8 @@ void check_plan(const ProblemShape& s, std::mt19937_64& rng) {
   SCOPED_TRACE(::testing::Message() << "T=" << s.T << " H=" << s.H << " I=" << s.I << " E_loc=" << s.E_loc
                                     << " E_total=" << s.E_total << " k=" << s.k << " gated=" << s.gated
                                     << " A4=" << (s.mode == ActMode::A4) << " bf16=" << (s.format == WeightFormat::BF16)
-                                    << " shared=" << s.has_shared << " budget=" << s.workspace_budget);
+                                    << " shared=" << s.has_shared << " budget=" << s.workspace_budget
+                                    << " lora=" << s.has_lora << " r=" << s.max_lora_rank);
   const MoePlan p = make_plan(s);
   ASSERT_EQ(workspace_size(s), p.workspace_bytes);
   const int64_t T = s.T, k = s.k, H = s.H, I = s.I, E = s.E_loc;
@@ -107,6 +108,22 @@ void check_plan(const ProblemShape& s, std::mt19937_64& rng) {
   EXPECT_EQ(H % 4, 0);
   EXPECT_GE(p.combine_blocks_per_token * p.combine_threads * 4, H);
 
+  // LoRA: strides hold every canonical rank (2r for PerExpert's gate_up, r otherwise); the combine keeps
+  // z in kMaxLoraRank floats of shared memory; warps whole.
+  const int64_t lora_rank = s.has_lora ? (s.max_lora_rank > 0 ? s.max_lora_rank : kMaxLoraRank) : 0;
+  EXPECT_EQ(p.lora_rank, lora_rank);
+  EXPECT_EQ(p.lora_r1_stride, 2 * lora_rank);
+  EXPECT_EQ(p.lora_r2_stride, lora_rank);
+  EXPECT_LE(p.lora_r2_stride, kMaxLoraRank);
+  if (s.has_lora) {
+    EXPECT_EQ(p.lora_shrink1_threads % 32, 0);
+    EXPECT_EQ(p.lora_shrink2_threads % 32, 0);
+    EXPECT_GE(p.lora_shrink1_threads, 32);
+    EXPECT_GE(p.lora_shrink2_threads, 32);
+    EXPECT_LE(p.lora_shrink1_threads, 1024);
+    EXPECT_LE(p.lora_shrink2_threads, 1024);
+  }
+
   // Workspace: aligned, large enough, inside the total, pairwise disjoint.
   const int64_t Tc = p.chunk_tokens, R = p.rows;
   struct Need { const WorkspaceBuffer* b; int64_t bytes; const char* name; };
@@ -123,6 +140,11 @@ void check_plan(const ProblemShape& s, std::mt19937_64& rng) {
       {&p.out, R * H * 4, "out"},
       {&p.shared_act, s.has_shared ? Tc * s.shared_I * 2 : 0, "shared_act"},
       {&p.shared_out, s.has_shared ? Tc * H * 4 : 0, "shared_out"},
+      {&p.lora_slot, s.has_lora ? Tc * 4 : 0, "lora_slot"},
+      {&p.lora_t1, s.has_lora ? R * 2 * lora_rank * 4 : 0, "lora_t1"},
+      {&p.lora_t2, s.has_lora ? R * lora_rank * 4 : 0, "lora_t2"},
+      {&p.lora_shared_t1, s.has_lora && s.has_shared ? Tc * lora_rank * 4 : 0, "lora_shared_t1"},
+      {&p.lora_shared_t2, s.has_lora && s.has_shared ? Tc * lora_rank * 4 : 0, "lora_shared_t2"},
   };
   for (const Need& n : needs) {
     SCOPED_TRACE(n.name);
@@ -160,6 +182,8 @@ ProblemShape random_shape(std::mt19937_64& rng, int64_t H, int64_t I, int64_t T)
   s.has_shared = coin(rng);
   s.shared_I = 16 * std::uniform_int_distribution<int64_t>(1, 256)(rng);
   if (rng() % 4 == 0) s.workspace_budget = std::uniform_int_distribution<int64_t>(1, int64_t(64) << 20)(rng);
+  s.has_lora = coin(rng);
+  s.max_lora_rank = s.has_lora ? std::uniform_int_distribution<int64_t>(0, kMaxLoraRank)(rng) : 0;
   return s;
 }
 
@@ -227,6 +251,53 @@ TEST(Plan, SmallBudgetForcesChunks) {
   const MoePlan q = make_plan(s);
   EXPECT_EQ(q.chunk_tokens, 1);
   EXPECT_EQ(q.num_chunks, 4096);
+}
+
+// LoRA adds its buffers after the others and never changes the chunking, the GEMM tiles or the offsets
+// of the other buffers: a token's arithmetic is the same with and without LoRA (bit-identity invariants).
+TEST(Plan, LoraNeverChangesChunkingOrTiles) {
+  std::mt19937_64 rng(77);
+  for (int i = 0; i < 2000; ++i) {
+    const int64_t H = 16 * std::uniform_int_distribution<int64_t>(1, 512)(rng);
+    const int64_t I = 16 * std::uniform_int_distribution<int64_t>(1, 512)(rng);
+    const int64_t T = rng() % 2 ? std::uniform_int_distribution<int64_t>(0, 64)(rng)
+                                : std::uniform_int_distribution<int64_t>(0, 65536)(rng);
+    ProblemShape base = random_shape(rng, H, I, T);
+    base.has_lora = false;
+    base.max_lora_rank = 0;
+    const MoePlan p0 = make_plan(base);
+    for (int64_t r : {int64_t(0), int64_t(1), int64_t(16), kMaxLoraRank}) {
+      ProblemShape s = base;
+      s.has_lora = true;
+      s.max_lora_rank = r;
+      const MoePlan p = make_plan(s);
+      SCOPED_TRACE(::testing::Message() << "T=" << T << " H=" << H << " I=" << I << " r=" << r);
+      EXPECT_EQ(p.chunk_tokens, p0.chunk_tokens);
+      EXPECT_EQ(p.num_chunks, p0.num_chunks);
+      EXPECT_EQ(p.gemm_config, p0.gemm_config);
+      EXPECT_EQ(p.max_m_tiles, p0.max_m_tiles);
+      EXPECT_EQ(p.out.offset, p0.out.offset);
+      EXPECT_EQ(p.act.offset, p0.act.offset);
+      EXPECT_GE(p.workspace_bytes, p0.workspace_bytes);
+      check_plan(s, rng);
+      if (HasFatalFailure()) return;
+    }
+  }
+}
+
+TEST(Plan, RefusesLoraRanksOutOfRange) {
+  ProblemShape s;
+  s.T = 8; s.H = 2048; s.I = 768; s.E_loc = 16; s.k = 8; s.gated = true; s.activation = ActivationType::Swiglu;
+  s.has_lora = true;
+  for (int64_t r : {int64_t(-1), kMaxLoraRank + 1, int64_t(128)}) {
+    s.max_lora_rank = r;
+    try { (void)make_plan(s); ADD_FAILURE() << "max_lora_rank=" << r; } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::InvalidArgument);
+      EXPECT_EQ(e.argument(), "max_lora_rank");
+    }
+  }
+  s.max_lora_rank = kMaxLoraRank;
+  EXPECT_NO_THROW(make_plan(s));
 }
 
 TEST(Plan, RefusesShapesTheKernelsCannotTake) {

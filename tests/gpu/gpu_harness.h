@@ -268,8 +268,11 @@ inline std::vector<int64_t> check_tokens(int64_t T, int64_t n) {
 
 // The CPU reference on the given tokens of the batch (each token's output depends on itself only).
 // Fp64: y in double; Fp32: y in bf16 bits widened to double. act_out (optional) [n, k, I] bf16.
+// Multi-LoRA: `reg` (a registry on the CPU weights) and the adapter id of every token of the batch.
 inline std::vector<double> run_reference(const Case& c, const Inputs& in, const Layer& l, const std::vector<int64_t>& toks,
-                                         Precision prec, std::vector<uint16_t>* act_out = nullptr) {
+                                         Precision prec, std::vector<uint16_t>* act_out = nullptr,
+                                         const AdapterRegistry* reg = nullptr,
+                                         const std::vector<int32_t>* adapter_ids = nullptr) {
   const int64_t n = static_cast<int64_t>(toks.size()), H = in.H, k = in.k, E = in.E_total, N1 = in.N1;
   std::vector<uint16_t> x(n * H);
   std::vector<float> logits(n * E), wts(n * k);
@@ -305,6 +308,12 @@ inline std::vector<double> run_reference(const Case& c, const Inputs& in, const 
   if (act_out) {
     act_out->assign(n * k * c.shape.I, 0);
     a.activation_out = make_view(act_out->data(), DType::BF16, {n, k, c.shape.I});
+  }
+  std::vector<int32_t> aids;
+  if (reg) {
+    for (int64_t t : toks) aids.push_back(adapter_ids ? (*adapter_ids)[t] : -1);
+    a.adapters = reg;
+    a.adapter_ids = make_view(aids.data(), DType::I32, {n});
   }
   a.precision = prec;
   std::vector<double> y(n * H);

@@ -38,6 +38,11 @@ pybuild=$!
 
 step gpu_tests 100 "$BIN/fp4moe_gpu_tests" --gtest_filter="$FILTER"
 grep -E '^\[  (PASSED|FAILED|SKIPPED) |^\[==========\]|^\[  FAILED|^STAT' "$OUT/gpu_tests.log" | tee -a "$S"
+if command -v compute-sanitizer > /dev/null; then
+  step racecheck 30 compute-sanitizer --tool racecheck --error-exitcode 17 "$BIN/fp4moe_gpu_tests" \
+    --gtest_filter='GpuDeviceErrors.*:GpuWorkspace.*'
+  grep -E "ERROR SUMMARY|RACECHECK SUMMARY|hazard" "$OUT/racecheck.log" | tail -3 | tee -a "$S"
+fi
 step demo 30 "$BIN/fp4moe" demo
 tail -6 "$OUT/demo.log" | tee -a "$S"
 step check 50 "$BIN/fp4moe" check --backend cuda --shape qwen3_30b_a3b --tokens 32 --modes a16,a4 \

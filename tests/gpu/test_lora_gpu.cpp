@@ -1,0 +1,504 @@
+// Multi-LoRA in the CUDA MoE pipeline (SPEC §5) against the CPU reference, and its bit-identity
+// invariants: zero-B adapters equal base, base tokens in a mixed batch equal base alone, loading and
+// unloading adapters never changes other tokens, sub-batches equal the full batch, out-of-range adapter
+// ids are dropped and flagged, CUDA graph capture and replay. Each test skips without a GPU.
+// Lines starting with "STAT" are collected by tools/device/.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdio>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "fp4moe/plan.h"
+#include "gpu_harness.h"
+
+namespace fp4moe::gputest {
+namespace {
+
+constexpr double kRelL2A16 = 1e-2, kRelL2A4 = 3e-2;  // whole output vs the Fp32 reference (as test_moe_gpu)
+constexpr double kDeltaA16 = 0.1, kDeltaA4 = 0.3;      // the LoRA contribution alone, per adapter slot
+
+ModelShape model(const char* name) {
+  const ModelShape* m = find_model_shape(name);
+  if (!m) std::abort();
+  return *m;
+}
+
+struct AdapterSpec {
+  LoraLayout layout = LoraLayout::PeftFused;
+  int64_t rank = 8;
+  bool zero_b = false;
+  bool shared_lora = false;  // also a LoRA on the shared expert (when the layer has one)
+  uint64_t seed = 1;
+};
+
+// An adapter with owned storage: the routed part from make_synthetic_adapter, plus the shared expert's own.
+struct OwnedAdapter {
+  SyntheticAdapter a;
+  std::vector<uint16_t> sa1, sb1, sa2, sb2;
+  int64_t r = 0, H = 0, N1s = 0, Is = 0;
+  bool gated = true;
+  LoraAdapterDesc desc() {
+    LoraAdapterDesc d = a.desc();
+    if (!gated) d.a_up = d.b_up = TensorView{};  // PerExpert on a non-gated layer: the gate pair only
+    if (!sa1.empty()) {
+      d.shared_a_gate_up = make_view(sa1.data(), DType::BF16, {r, H});
+      d.shared_b_gate_up = make_view(sb1.data(), DType::BF16, {N1s, r});
+      d.shared_a_down = make_view(sa2.data(), DType::BF16, {r, Is});
+      d.shared_b_down = make_view(sb2.data(), DType::BF16, {H, r});
+    }
+    return d;
+  }
+};
+
+std::unique_ptr<OwnedAdapter> make_adapter(const Layer& l, const AdapterSpec& s) {
+  auto o = std::make_unique<OwnedAdapter>();
+  o->a = make_synthetic_adapter(l.L, s.rank, s.seed, s.layout, s.zero_b);
+  o->gated = l.L.gated;
+  if (s.shared_lora && l.has_shared) {
+    o->r = s.rank;
+    o->H = l.S.H;
+    o->Is = l.S.I;
+    o->N1s = l.S.gated ? 2 * l.S.I : l.S.I;
+    const float sd_b = 0.05f / std::sqrt(static_cast<float>(s.rank));
+    o->sa1 = random_bf16(o->r * o->H, s.seed * 11 + 1, 1.f / std::sqrt(static_cast<float>(o->H)));
+    o->sa2 = random_bf16(o->r * o->Is, s.seed * 11 + 3, 1.f / std::sqrt(static_cast<float>(o->Is)));
+    if (s.zero_b) {
+      o->sb1.assign(static_cast<size_t>(o->N1s * o->r), 0);
+      o->sb2.assign(static_cast<size_t>(o->H * o->r), 0);
+    } else {
+      o->sb1 = random_bf16(o->N1s * o->r, s.seed * 11 + 2, sd_b);
+      o->sb2 = random_bf16(o->H * o->r, s.seed * 11 + 4, sd_b);
+    }
+  }
+  return o;
+}
+
+// The same adapters in a CPU registry (for the reference) and a GPU registry.
+struct Registries {
+  std::unique_ptr<AdapterRegistry> cpu, gpu;
+  Registries(const Layer& l, int slots)
+      : cpu(std::make_unique<AdapterRegistry>(l.cpu, slots, l.has_shared ? &l.scpu : nullptr)),
+        gpu(std::make_unique<AdapterRegistry>(l.gpu, slots, l.has_shared ? &l.sgpu : nullptr)) {}
+  void load(int slot, const Layer& l, const AdapterSpec& s) {
+    auto a = make_adapter(l, s);
+    const LoraAdapterDesc d = a->desc();
+    cpu->load(slot, d);
+    gpu->load(slot, d);
+  }
+  void unload(int slot) {
+    cpu->unload(slot);
+    gpu->unload(slot);
+  }
+};
+
+// A GPU call with (or without: reg null) registry LoRA; returns y's bits.
+struct LoraCall {
+  std::unique_ptr<GpuCall> g;
+  DevBuf ids;
+  std::vector<uint16_t> run(const Layer& l, const AdapterRegistry* reg, const std::vector<int32_t>& aids,
+                            cudaStream_t stream = nullptr) {
+    set(reg, aids);
+    return run_gpu(l.gpu, *g, stream);
+  }
+  void set(const AdapterRegistry* reg, const std::vector<int32_t>& aids) {
+    if (reg) {
+      // Re-used when the size matches: a captured graph keeps pointing at this buffer.
+      if (ids.bytes() != aids.size() * sizeof(int32_t)) ids = DevBuf::from(aids);
+      else cuda_check_abort(cudaMemcpy(ids.get(), aids.data(), ids.bytes(), cudaMemcpyHostToDevice), "upload ids");
+      g->args.adapters = reg;
+      g->args.adapter_ids = dview(ids, DType::I32, {static_cast<int64_t>(aids.size())});
+    } else {
+      g->args.adapters = nullptr;
+      g->args.adapter_ids = TensorView{};
+    }
+  }
+};
+
+bool row_equal(const std::vector<uint16_t>& a, const std::vector<uint16_t>& b, int64_t t, int64_t H) {
+  return std::equal(a.begin() + t * H, a.begin() + (t + 1) * H, b.begin() + t * H);
+}
+
+// One case against the Fp32 reference (same rounding points): the whole output, then the LoRA
+// contribution alone per adapter slot, (y_lora - y_base) on the GPU vs the same difference in the reference.
+// Base tokens of the mixed batch must equal the base run bit for bit.
+void check_against_reference(const Case& c, const Layer& l, Registries& R, const std::vector<int32_t>& aids,
+                             const char* label) {
+  Inputs in = make_inputs(c);
+  LoraCall call{make_gpu_call(c, in, l), DevBuf()};
+  const std::vector<uint16_t> y_base = call.run(l, nullptr, aids);
+  const std::vector<uint16_t> y = call.run(l, R.gpu.get(), aids);
+  EXPECT_EQ(count_poison(y), 0) << label << ": elements of y not written";
+  EXPECT_NO_THROW(check_device_errors(0)) << label;
+  const int64_t H = in.H;
+  for (int64_t t = 0; t < c.T; ++t)
+    if (aids[t] < 0) EXPECT_TRUE(row_equal(y, y_base, t, H)) << label << ": base token " << t << " differs from base";
+
+  const auto toks = check_tokens(c.T, c.check_tokens);
+  const bool a4 = c.mode == ActMode::A4;
+  const std::vector<double> ref = run_reference(c, in, l, toks, Precision::Fp32, nullptr, R.cpu.get(), &aids);
+  const std::vector<double> ref_base = run_reference(c, in, l, toks, Precision::Fp32);
+  const Errors e = compare(y, ref, toks, H);
+  EXPECT_EQ(e.nonfinite, 0) << label;
+  EXPECT_LE(e.rel_l2, a4 ? kRelL2A4 : kRelL2A16) << label;
+
+  // Per slot: || (y - y_base) - (ref - ref_base) || / || ref - ref_base ||.
+  std::map<int32_t, std::array<double, 3>> per_slot;  // num, den, |ref|^2
+  for (size_t i = 0; i < toks.size(); ++i) {
+    const int64_t t = toks[i];
+    if (aids[t] < 0) continue;
+    auto& acc = per_slot[aids[t]];
+    for (int64_t h = 0; h < H; ++h) {
+      const double dg = static_cast<double>(bf16_bits_to_f32(y[t * H + h])) - bf16_bits_to_f32(y_base[t * H + h]);
+      const double dr = ref[i * H + h] - ref_base[i * H + h];
+      acc[0] += (dg - dr) * (dg - dr);
+      acc[1] += dr * dr;
+      acc[2] += ref[i * H + h] * ref[i * H + h];
+    }
+  }
+  for (const auto& [slot, acc] : per_slot) {
+    const double rel = acc[1] > 0 ? std::sqrt(acc[0] / acc[1]) : std::sqrt(acc[0]);
+    const double visible = std::sqrt(acc[1] / std::max(acc[2], 1e-30));
+    std::printf("STAT lora %-44s slot %d: delta relL2=%.3e (delta/|y|=%.3e)\n", label, slot, rel, visible);
+    if (acc[1] == 0) {
+      EXPECT_EQ(acc[0], 0.0) << label << " slot " << slot << ": a zero-B adapter changed the output";
+    } else {
+      EXPECT_LE(rel, a4 ? kDeltaA4 : kDeltaA16) << label << " slot " << slot;
+      EXPECT_GT(visible, 1e-3) << label << " slot " << slot << ": the LoRA delta is too small to test";
+    }
+  }
+  std::printf("STAT lora %-44s T=%-5lld relL2=%.3e cos=%.8f\n", label, static_cast<long long>(c.T), e.rel_l2, e.cosine);
+}
+
+std::vector<int32_t> cycle_ids(int64_t T, int num_slots) {
+  std::vector<int32_t> v(static_cast<size_t>(T));
+  for (int64_t t = 0; t < T; ++t) v[t] = static_cast<int32_t>(t % (num_slots + 1)) - 1;  // -1, 0, 1, ...
+  return v;
+}
+
+// ---- the three layouts, ranks 1..64 mixed in one batch ---------------------------------------------------
+void layouts_case(Case c, const char* label) {
+  auto layer = make_layer(c);
+  Registries R(*layer, 10);
+  const AdapterSpec specs[] = {
+      {LoraLayout::PerExpert, 1, false, false, 101},  {LoraLayout::PeftFused, 8, false, false, 102},
+      {LoraLayout::SharedOuter, 16, false, false, 103}, {LoraLayout::PerExpert, 64, false, false, 104},
+      {LoraLayout::PeftFused, 64, false, false, 105}, {LoraLayout::SharedOuter, 1, false, false, 106},
+      {LoraLayout::PerExpert, 16, false, false, 107}, {LoraLayout::SharedOuter, 64, false, false, 108},
+  };
+  for (int i = 0; i < 8; ++i) R.load(i, *layer, specs[i]);
+  check_against_reference(c, *layer, R, cycle_ids(c.T, 8), label);
+}
+
+TEST(GpuLora, QwenLayoutsMixedRanksA16) {
+  FP4MOE_SKIP_WITHOUT_GPU();
+  Case c;
+  c.shape = model("qwen3_30b_a3b");
+  c.E_loc = c.E_total = 16;
+  c.T = 27;
+  c.check_tokens = 27;
+  c.seed = 31;
+  layouts_case(c, "qwen A16 nvfp4 gate-first");
+}
+
+TEST(GpuLora, QwenLayoutsMixedRanksA4UpFirst) {
+  FP4MOE_SKIP_WITHOUT_GPU();
+  Case c;
+  c.shape = model("qwen3_30b_a3b");
+  c.E_loc = c.E_total = 16;
+  c.T = 18;
+  c.check_tokens = 18;
+  c.mode = ActMode::A4;
+  c.order = GateUpOrder::UpFirst;
+  c.per_token_x_scale = true;
+  c.seed = 32;
+  layouts_case(c, "qwen A4 nvfp4 up-first per-token");
+}
+
+TEST(GpuLora, QwenBf16BiasExpertParallel) {
+  FP4MOE_SKIP_WITHOUT_GPU();
+  Case c;
+  c.shape = model("qwen3_30b_a3b");
+  c.E_loc = 8;
+  c.E_total = 16;
+  c.offset = 4;
+  c.T = 18;
+  c.check_tokens = 18;
+  c.format = WeightFormat::BF16;
+  c.bias = true;
+  c.delta = true;  // the gate_up_lora_delta bridge and registry LoRA together
+  c.seed = 33;
+  layouts_case(c, "qwen A16 bf16 bias EP 8/16 + bridge");
+}
+
+TEST(GpuLora, NonGatedRelu2) {
+  FP4MOE_SKIP_WITHOUT_GPU();
+  Case c;
+  c.shape = model("qwen3_30b_a3b");
+  c.shape.activation = ActivationType::Relu2;
+  c.E_loc = c.E_total = 8;
+  c.T = 18;
+  c.check_tokens = 18;
+  c.seed = 34;
+  layouts_case(c, "qwen Relu2 (non-gated) A16");
+}
+
+// ---- Kimi shape with a shared expert carrying its own LoRA, SiTU, A16 and A4 ------------------------------
+void kimi_shared_case(ActMode mode, const char* label) {
+  Case c;
+  c.shape = model("kimi_k3_tp8");
+  c.E_loc = c.E_total = 16;
+  c.T = 15;
+  c.check_tokens = 15;
+  c.mode = mode;
+  c.shared = true;
+  c.shared_I = 384;
+  c.seed = mode == ActMode::A4 ? 42 : 41;
+  auto layer = make_layer(c);
+  Registries R(*layer, 6);
+  R.load(0, *layer, {LoraLayout::PeftFused, 16, false, true, 201});
+  R.load(1, *layer, {LoraLayout::PerExpert, 8, false, true, 202});
+  R.load(2, *layer, {LoraLayout::SharedOuter, 64, false, true, 203});
+  R.load(3, *layer, {LoraLayout::PeftFused, 1, false, false, 204});   // no shared-expert LoRA
+  R.load(4, *layer, {LoraLayout::PerExpert, 64, true, true, 205});    // zero B everywhere: equals base
+  check_against_reference(c, *layer, R, cycle_ids(c.T, 5), label);
+}
+
+TEST(GpuLora, KimiSharedExpertLoraA16) { FP4MOE_SKIP_WITHOUT_GPU(); kimi_shared_case(ActMode::A16, "kimi shared-expert LoRA A16"); }
+TEST(GpuLora, KimiSharedExpertLoraA4) { FP4MOE_SKIP_WITHOUT_GPU(); kimi_shared_case(ActMode::A4, "kimi shared-expert LoRA A4"); }
+
+// ---- bit-identity invariants ------------------------------------------------------------------------------
+void invariants(ActMode mode) {
+  Case c;
+  c.shape = model("qwen3_30b_a3b");
+  c.E_loc = c.E_total = 16;
+  c.T = 41;
+  c.mode = mode;
+  c.shared = true;
+  c.shared_I = 512;
+  c.seed = mode == ActMode::A4 ? 52 : 51;
+  const std::string m = mode == ActMode::A4 ? " (A4)" : " (A16)";
+  auto layer = make_layer(c);
+  Registries R(*layer, 8);
+  R.load(0, *layer, {LoraLayout::PeftFused, 16, false, true, 301});
+  R.load(1, *layer, {LoraLayout::PerExpert, 8, false, true, 302});
+  R.load(2, *layer, {LoraLayout::SharedOuter, 64, false, true, 303});
+  R.load(3, *layer, {LoraLayout::PeftFused, 16, true, true, 304});    // zero B
+  R.load(4, *layer, {LoraLayout::PerExpert, 8, true, true, 305});     // zero B
+  R.load(5, *layer, {LoraLayout::SharedOuter, 4, true, true, 306});   // zero B
+  Inputs in = make_inputs(c);
+  LoraCall call{make_gpu_call(c, in, *layer), DevBuf()};
+  const int64_t T = c.T, H = in.H;
+
+  const std::vector<uint16_t> y_none = call.run(*layer, nullptr, {});
+  const std::vector<int32_t> all_base(static_cast<size_t>(T), -1);
+  EXPECT_EQ(call.run(*layer, R.gpu.get(), all_base), y_none) << "registry given, every token base" << m;
+
+  const std::vector<int32_t> ids = cycle_ids(T, 6);  // -1, 0..5
+  const std::vector<uint16_t> y_mixed = call.run(*layer, R.gpu.get(), ids);
+  EXPECT_EQ(count_poison(y_mixed), 0);
+  int changed = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    const bool base_like = ids[t] < 0 || ids[t] >= 3;  // base, or a zero-B adapter
+    if (base_like) EXPECT_TRUE(row_equal(y_mixed, y_none, t, H)) << "token " << t << " (slot " << ids[t] << ") differs from base" << m;
+    else changed += !row_equal(y_mixed, y_none, t, H);
+  }
+  EXPECT_EQ(changed, static_cast<int>(std::count_if(ids.begin(), ids.end(), [](int32_t v) { return v >= 0 && v < 3; })))
+      << "every token of a non-zero adapter changes" << m;
+  EXPECT_EQ(call.run(*layer, R.gpu.get(), ids), y_mixed) << "a second call differs" << m;
+
+  // Loading into a free slot and replacing slot 1 changes only slot 1's tokens; unloading back neither.
+  R.load(6, *layer, {LoraLayout::SharedOuter, 32, false, true, 307});
+  R.load(1, *layer, {LoraLayout::PeftFused, 64, false, true, 308});
+  const std::vector<uint16_t> y_reload = call.run(*layer, R.gpu.get(), ids);
+  for (int64_t t = 0; t < T; ++t) {
+    if (ids[t] == 1) EXPECT_FALSE(row_equal(y_reload, y_mixed, t, H)) << "token " << t << " kept the replaced adapter" << m;
+    else EXPECT_TRUE(row_equal(y_reload, y_mixed, t, H)) << "token " << t << " changed by another slot's load" << m;
+  }
+  R.unload(6);
+  EXPECT_EQ(call.run(*layer, R.gpu.get(), ids), y_reload) << "unloading an unused slot changed the output" << m;
+
+  // Sub-batches: a token's bits do not depend on the other tokens nor on their adapters.
+  for (const std::vector<int64_t>& sub : {std::vector<int64_t>{2}, std::vector<int64_t>{1, 3, 9, 40}}) {
+    Case cs = c;
+    cs.T = static_cast<int64_t>(sub.size());
+    Inputs is = in;
+    is.T = cs.T;
+    is.x.clear();
+    is.logits.clear();
+    std::vector<int32_t> sids;
+    for (int64_t t : sub) {
+      is.x.insert(is.x.end(), in.x.begin() + t * H, in.x.begin() + (t + 1) * H);
+      is.logits.insert(is.logits.end(), in.logits.begin() + t * in.E_total, in.logits.begin() + (t + 1) * in.E_total);
+      sids.push_back(ids[t]);
+    }
+    LoraCall sc{make_gpu_call(cs, is, *layer), DevBuf()};
+    const std::vector<uint16_t> ys = sc.run(*layer, R.gpu.get(), sids);
+    for (size_t i = 0; i < sub.size(); ++i)
+      EXPECT_TRUE(std::equal(ys.begin() + i * H, ys.begin() + (i + 1) * H, y_reload.begin() + sub[i] * H))
+          << "token " << sub[i] << " (slot " << ids[sub[i]] << ") differs in a sub-batch" << m;
+  }
+  EXPECT_NO_THROW(check_device_errors(0));
+}
+
+TEST(GpuLoraInvariants, BitIdentityA16) { FP4MOE_SKIP_WITHOUT_GPU(); invariants(ActMode::A16); }
+TEST(GpuLoraInvariants, BitIdentityA4) { FP4MOE_SKIP_WITHOUT_GPU(); invariants(ActMode::A4); }
+
+// ---- adapter ids only on the GPU: out of range or naming an empty slot -> dropped to base and flagged -------
+TEST(GpuLoraDeviceErrors, BadAdapterIdsSetFlag) {
+  FP4MOE_SKIP_WITHOUT_GPU();
+  Case c;
+  c.shape = model("qwen3_30b_a3b_tp4");
+  c.E_loc = c.E_total = 16;
+  c.T = 20;
+  c.shared = true;
+  c.shared_I = 192;
+  auto layer = make_layer(c);
+  Registries R(*layer, 4);
+  R.load(0, *layer, {LoraLayout::PeftFused, 8, false, true, 401});
+  R.load(1, *layer, {LoraLayout::SharedOuter, 16, false, true, 402});
+  Inputs in = make_inputs(c);
+  LoraCall call{make_gpu_call(c, in, *layer), DevBuf()};
+  check_device_errors(0);  // clean start
+  std::vector<int32_t> good = cycle_ids(c.T, 2), bad = good;
+  bad[3] = 999;
+  bad[7] = -7;
+  bad[11] = 2;   // empty slot
+  bad[15] = 4;   // == num_slots
+  for (int64_t t : {3, 7, 11, 15}) good[t] = -1;
+  const std::vector<uint16_t> y_bad = call.run(*layer, R.gpu.get(), bad);
+  EXPECT_EQ(count_poison(y_bad), 0);
+  try {
+    check_device_errors(0);
+    ADD_FAILURE() << "expected DeviceFault";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::DeviceFault) << e.what();
+    EXPECT_EQ(e.argument(), "adapter_ids") << e.what();
+  }
+  EXPECT_NO_THROW(check_device_errors(0)) << "the flag is cleared once reported";
+  // Dropped tokens run as base; every other token is unaffected.
+  EXPECT_EQ(call.run(*layer, R.gpu.get(), good), y_bad);
+  EXPECT_NO_THROW(check_device_errors(0)) << "a clean call leaves the flag clear";
+}
+
+// ---- a given workspace must be sized with has_lora; many tokens run in chunks with LoRA ------------------------
+TEST(GpuLoraWorkspace, GivenWorkspaceAndChunks) {
+  FP4MOE_SKIP_WITHOUT_GPU();
+  Case c;
+  c.shape = model("kimi_k3_tp8");
+  c.E_loc = c.E_total = 16;
+  c.T = 9000;
+  c.check_tokens = 8;
+  c.seed = 61;
+  auto layer = make_layer(c);
+  Registries R(*layer, 4);
+  R.load(0, *layer, {LoraLayout::PeftFused, 16, false, false, 601});
+  R.load(1, *layer, {LoraLayout::PerExpert, 8, false, false, 602});
+  R.load(2, *layer, {LoraLayout::SharedOuter, 16, false, false, 603});
+  ProblemShape ps;
+  ps.T = c.T; ps.H = c.shape.H; ps.I = c.shape.I; ps.E_loc = c.E_loc; ps.E_total = c.E_total; ps.k = c.shape.k;
+  ps.activation = c.shape.activation;
+  const size_t no_lora = workspace_size(ps);
+  ps.has_lora = true;  // max_lora_rank 0: sized for rank 64
+  const size_t with_lora = workspace_size(ps);
+  ASSERT_GT(with_lora, no_lora);
+  EXPECT_GT(make_plan(ps).num_chunks, 1);
+  check_against_reference(c, *layer, R, cycle_ids(c.T, 3), "kimi chunked T=9000");
+
+  Inputs in = make_inputs(c);
+  LoraCall call{make_gpu_call(c, in, *layer), DevBuf()};
+  const std::vector<int32_t> ids = cycle_ids(c.T, 3);
+  const std::vector<uint16_t> y = call.run(*layer, R.gpu.get(), ids);
+  DevBuf small(no_lora), big(with_lora);
+  call.g->args.workspace = dview(small, DType::U8, {static_cast<int64_t>(small.bytes())});
+  try {
+    call.run(*layer, R.gpu.get(), ids);
+    ADD_FAILURE() << "a workspace sized without LoRA was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.argument(), "workspace") << e.what();
+  }
+  call.g->args.workspace = dview(big, DType::U8, {static_cast<int64_t>(big.bytes())});
+  EXPECT_EQ(call.run(*layer, R.gpu.get(), ids), y) << "given workspace differs from the internal one";
+  call.g->args.workspace = TensorView{};
+}
+
+// ---- CUDA graphs: capture after a warm call, and the first call after a load captured directly -----------------
+TEST(GpuLoraGraphs, CaptureAndReplay) {
+  FP4MOE_SKIP_WITHOUT_GPU();
+  Case c;
+  c.shape = model("qwen3_30b_a3b");
+  c.E_loc = c.E_total = 16;
+  c.T = 33;
+  c.shared = true;
+  c.shared_I = 256;
+  auto layer = make_layer(c);
+  Registries R(*layer, 4);
+  R.load(0, *layer, {LoraLayout::PerExpert, 16, false, true, 501});
+  R.load(1, *layer, {LoraLayout::SharedOuter, 8, false, true, 502});
+  Inputs in = make_inputs(c);
+  LoraCall call{make_gpu_call(c, in, *layer), DevBuf()};
+  const std::vector<int32_t> ids = cycle_ids(c.T, 3);  // slot 2 loaded below
+  cudaStream_t s;
+  CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+
+  // Captures one call on s (the call's arguments as set); null when the capture failed (recorded).
+  auto capture = [&](const char* what) -> cudaGraphExec_t {
+    call.g->args.stream = s;
+    cudaGraph_t graph = nullptr;
+    EXPECT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal), cudaSuccess) << what;
+    std::string err;
+    try {
+      moe_run(layer->gpu, call.g->args);
+    } catch (const Error& e) {
+      err = e.what();
+    }
+    const cudaError_t end = cudaStreamEndCapture(s, &graph);
+    EXPECT_TRUE(err.empty()) << what << ": moe_run failed under capture: " << err;
+    EXPECT_EQ(end, cudaSuccess) << what << ": " << cudaGetErrorString(end);
+    if (!err.empty() || end != cudaSuccess || !graph) {
+      (void)cudaGetLastError();
+      return nullptr;
+    }
+    cudaGraphExec_t exec = nullptr;
+    EXPECT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess) << what;
+    (void)cudaGraphDestroy(graph);
+    return exec;
+  };
+  auto replay = [&](cudaGraphExec_t exec, const std::vector<uint16_t>& expect, const char* what) {
+    for (int rep = 0; rep < 2; ++rep) {
+      call.g->y.fill_byte(0xff);
+      ASSERT_EQ(cudaGraphLaunch(exec, s), cudaSuccess) << what;
+      sync_with_watchdog(s);
+      EXPECT_EQ(call.g->y.download<uint16_t>(), expect) << what << ": replay " << rep;
+    }
+  };
+
+  // 1. After a warm call (the snapshot's slot table is cached: nothing but launches in the capture).
+  const std::vector<uint16_t> y1 = call.run(*layer, R.gpu.get(), ids, s);
+  if (cudaGraphExec_t exec = capture("warm snapshot")) {
+    replay(exec, y1, "warm snapshot");
+    CUDA_OK(cudaGraphExecDestroy(exec));
+  }
+  // 2. A load makes a new snapshot; the first call that sees it is captured (its slot table is uploaded
+  //    during the capture), then replayed against a plain call.
+  R.load(2, *layer, {LoraLayout::PeftFused, 32, false, false, 503});
+  call.set(R.gpu.get(), ids);
+  cudaGraphExec_t exec = capture("first call after a load");
+  const std::vector<uint16_t> y2 = call.run(*layer, R.gpu.get(), ids, s);
+  EXPECT_NE(y2, y1) << "the adapter loaded into slot 2 changed nothing";
+  if (exec) {
+    replay(exec, y2, "first call after a load");
+    CUDA_OK(cudaGraphExecDestroy(exec));
+  }
+  EXPECT_NO_THROW(check_device_errors(0));
+  CUDA_OK(cudaStreamDestroy(s));
+}
+
+}  // namespace
+}  // namespace fp4moe::gputest
