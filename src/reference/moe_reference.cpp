@@ -448,10 +448,12 @@ template <class Acc> void Runner<Acc>::run_job(const Job& job) {
       uint16_t* out = d.as<uint16_t>();
       for (int64_t i = 0; i < I; ++i) out[t * d.stride[0] + j * d.stride[1] + i * d.stride[2]] = to_bf16_bits(a_val[i]);
     }
-    // Step 4: A4 rounds a (bf16, or unrounded in Fp64) to NVFP4 with encode scale 1/fc2_input_scale.
+    // Step 4: A4 rounds a to bf16, then to NVFP4 with encode scale 1/fc2_input_scale. The bf16 step is part of the
+    // A4 definition (SPEC §3.2 step 4), so Fp64 keeps it too: otherwise the two precisions land on different
+    // block scales for a few blocks and differ by far more than their accumulation error.
     Acc* dst = at_tiles.data() + (p / kLanes) * I * kLanes + (p % kLanes);
     if (a4_) {
-      for (int64_t i = 0; i < I; ++i) a_f[i] = static_cast<float>(a_lora[i]);
+      for (int64_t i = 0; i < I; ++i) a_f[i] = round_bf16(static_cast<float>(a_lora[i]));
       nvfp4::quantize_row(a_f.data(), I, gs2, q.data(), sf.data());
       for (int64_t i = 0; i < I; ++i)
         dst[i * kLanes] = static_cast<Acc>(((i & 1) ? tb.hi[q[i / 2]] : tb.lo[q[i / 2]]) * tb.e4m3[sf[i / 16]]);

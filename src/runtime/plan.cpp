@@ -57,8 +57,9 @@ void check_shape(const ProblemShape& s) {
   if (s.has_shared && (s.shared_I < 16 || s.shared_I % 16))
     bad("shared_expert", "intermediate size must be a positive multiple of 16, got " + std::to_string(s.shared_I));
   if (s.has_shared && s.shared_I > kMaxHidden) unsupported("shared_expert", "intermediate size too large");
-  if (s.has_lora && (s.max_lora_rank < 0 || s.max_lora_rank > 64 * 2))
-    bad("adapters", "LoRA rank out of range: " + std::to_string(s.max_lora_rank));
+  if (s.max_lora_rank < 0 || s.max_lora_rank > kMaxLoraRank)
+    bad("max_lora_rank", "expected 0 (unknown) or 1.." + std::to_string(kMaxLoraRank) + ", got " +
+                             std::to_string(s.max_lora_rank));
   if (s.workspace_budget < 0) bad("workspace_budget", "expected >= 0");
 }
 
@@ -145,6 +146,22 @@ MoePlan make_plan(const ProblemShape& shape) {
   if (s.has_shared) {
     p.shared_act = L.take(Tc * s.shared_I * 2);
     p.shared_out = L.take(Tc * H * 4);
+  }
+  // LoRA buffers last, sized per chunk token: they are not part of per_token above, so the chunking (and
+  // with it the GEMM tile choice) is the same with and without LoRA.
+  if (s.has_lora) {
+    p.lora_rank = s.max_lora_rank > 0 ? s.max_lora_rank : kMaxLoraRank;
+    p.lora_r1_stride = 2 * p.lora_rank;
+    p.lora_r2_stride = p.lora_rank;
+    p.lora_shrink1_threads = 256;
+    p.lora_shrink2_threads = 128;
+    p.lora_slot = L.take(Tc * 4);
+    p.lora_t1 = L.take(R * p.lora_r1_stride * 4);
+    p.lora_t2 = L.take(R * p.lora_r2_stride * 4);
+    if (s.has_shared) {
+      p.lora_shared_t1 = L.take(Tc * p.lora_r2_stride * 4);
+      p.lora_shared_t2 = L.take(Tc * p.lora_r2_stride * 4);
+    }
   }
   p.workspace_bytes = L.end;
   return p;

@@ -352,7 +352,7 @@ struct Problem {
         if (act_out && slot[t] >= 0) (*act_out)[(t * k + slot[t]) * Ie + i] = v;
         if (c.precision == Precision::Fp32) v = round_bf16(static_cast<float>(v));
         a[t * Ie + i] = a_lora[t * Ie + i] = v;
-        af[i] = static_cast<float>(v);
+        af[i] = round_bf16(static_cast<float>(v));  // A4 quantizes the bf16 a in both precisions (SPEC §3.2 step 4)
       }
       if (c.mode == ActMode::A4) {
         const std::vector<double> q = nvfp4_fake_quant_ref(af.data(), Ie, 1.f / fc2);

@@ -485,6 +485,8 @@ TEST(GpuLoraGraphs, CaptureAndReplay) {
     replay(exec, y1, "warm snapshot");
     CUDA_OK(cudaGraphExecDestroy(exec));
   }
+  // Slot 2 is still empty here, so the tokens that name it ran as base and raised the flag (SPEC §6).
+  EXPECT_THROW(check_device_errors(0), Error) << "tokens naming the empty slot 2 must set the error flag";
   // 2. A load makes a new snapshot; the first call that sees it is captured (its slot table is uploaded
   //    during the capture), then replayed against a plain call.
   R.load(2, *layer, {LoraLayout::PeftFused, 32, false, false, 503});
