@@ -1,0 +1,547 @@
+// Tensor / expert parallelism on the host: sharding helpers, the expert window, the in-process
+// communicator and the parallel run calls (include/fp4moe/parallel.h). The NCCL communicator lives in
+// src/cuda/parallel_nccl.cu (built only when NCCL is found).
+#include "fp4moe/parallel.h"
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <utility>
+
+#include "fp4moe/nvfp4.h"
+
+namespace fp4moe {
+namespace {
+
+[[noreturn]] void bad(const std::string& arg, const std::string& what) {
+  throw Error(ErrorCode::InvalidArgument, arg, what);
+}
+
+void check_rank_world(int rank, int world) {
+  if (world < 1) bad("world", "expected >= 1, got " + std::to_string(world));
+  if (rank < 0 || rank >= world)
+    bad("rank", "expected in [0, world=" + std::to_string(world) + "), got " + std::to_string(rank));
+}
+
+// A host, contiguous tensor of the expected dtype size and shape (numel when `shape` is empty).
+void check_host(const TensorView& v, const char* name, size_t elem_size, std::initializer_list<int64_t> shape) {
+  if (!v.present()) bad(name, "is required but absent");
+  if (v.device != Backend::CPU) bad(name, "expected a host tensor (the sharding helpers read host memory)");
+  if (dtype_size(v.dtype) != elem_size)
+    bad(name, std::string("expected ") + std::to_string(elem_size) + "-byte elements, got " + to_string(v.dtype));
+  if (!v.is_contiguous()) bad(name, "expected a contiguous tensor");
+  int64_t n = 1;
+  for (int64_t s : shape) n *= s;
+  if (v.numel() != n) {
+    std::string want = "[";
+    for (int64_t s : shape) want += std::to_string(s) + ",";
+    want.back() = ']';
+    bad(name, "expected shape " + want + " (" + std::to_string(n) + " elements), got " + v.shape_str());
+  }
+}
+
+struct Range {
+  int64_t begin, len;
+};
+
+// Selects `ranges` (concatenated, in order) along dimension `dim` of a contiguous tensor `shape` of
+// `es`-byte elements. Returns the bytes of the result (contiguous).
+std::vector<uint8_t> select(const void* src, size_t es, const std::vector<int64_t>& shape, int dim,
+                            const std::vector<Range>& ranges) {
+  int64_t outer = 1, inner = static_cast<int64_t>(es);
+  for (int i = 0; i < dim; ++i) outer *= shape[i];
+  for (size_t i = dim + 1; i < shape.size(); ++i) inner *= shape[i];
+  int64_t out_len = 0;
+  for (const Range& r : ranges) out_len += r.len;
+  std::vector<uint8_t> out(static_cast<size_t>(outer * out_len * inner));
+  const auto* s = static_cast<const uint8_t*>(src);
+  uint8_t* d = out.data();
+  for (int64_t o = 0; o < outer; ++o)
+    for (const Range& r : ranges) {
+      const size_t n = static_cast<size_t>(r.len * inner);
+      std::memcpy(d, s + (o * shape[dim] + r.begin) * inner, n);
+      d += n;
+    }
+  return out;
+}
+
+template <class T> std::vector<T> as_vec(const std::vector<uint8_t>& b) {
+  std::vector<T> v(b.size() / sizeof(T));
+  std::memcpy(v.data(), b.data(), b.size());
+  return v;
+}
+
+// Linear e4m3 codes [E, N, K/16] of a weight's block scales (linear or swizzled per expert).
+std::vector<uint8_t> linear_scales(const TensorView& sc, const char* name, ScaleLayout layout, int64_t E, int64_t N,
+                                   int64_t Kb) {
+  if (layout == ScaleLayout::Linear) {
+    check_host(sc, name, 1, {E, N, Kb});
+    const auto* p = sc.as<uint8_t>();
+    return std::vector<uint8_t>(p, p + E * N * Kb);
+  }
+  const int64_t per = nvfp4::swizzled_size(N, Kb);
+  check_host(sc, name, 1, {E, per});
+  std::vector<uint8_t> lin(static_cast<size_t>(E * N * Kb));
+  for (int64_t e = 0; e < E; ++e) nvfp4::unswizzle_scales(sc.as<uint8_t>() + e * per, N, Kb, lin.data() + e * N * Kb);
+  return lin;
+}
+
+std::vector<float> copy_f32(const TensorView& v, const char* name, int64_t n) {
+  check_host(v, name, 4, {n});
+  if (v.dtype != DType::F32) bad(name, std::string("expected float32, got ") + to_string(v.dtype));
+  return std::vector<float>(v.as<float>(), v.as<float>() + n);
+}
+
+void check_common(const WeightsDesc& d) {
+  if (d.num_experts < 1) bad("num_experts", "expected >= 1, got " + std::to_string(d.num_experts));
+  if (d.hidden < 16 || d.hidden % 16) bad("hidden", "expected a positive multiple of 16, got " + std::to_string(d.hidden));
+  if (d.inter < 16 || d.inter % 16) bad("inter", "expected a positive multiple of 16, got " + std::to_string(d.inter));
+}
+
+// Copies / slices a WeightsDesc. rows1: W1 row ranges per half-block; cols2: W2 column range (elements);
+// experts: expert range; keep_bias2: whether bias2 survives.
+ShardedWeights cut(const WeightsDesc& d, Range experts, int64_t Inew, const std::vector<Range>& rows1, Range cols2,
+                 bool keep_bias2) {
+  check_common(d);
+  const int64_t E = d.num_experts, H = d.hidden, I = d.inter, N1 = d.gated ? 2 * I : I;
+  const int64_t En = experts.len, N1n = d.gated ? 2 * Inew : Inew;
+  const std::vector<Range> ex = {experts};
+  ShardedWeights o;
+  WeightsDesc& n = o.desc;
+  n = d;
+  n.num_experts = En;
+  n.inter = Inew;
+  n.scale_layout = ScaleLayout::Linear;
+  n.w1 = n.w1_scale = n.w1_scale2 = n.w2 = n.w2_scale = n.w2_scale2 = n.bias1 = n.bias2 = TensorView{};
+  auto both = [&](const void* src, size_t es, std::vector<int64_t> shape, int dim, const std::vector<Range>& r) {
+    std::vector<uint8_t> a = select(src, es, shape, 0, ex);
+    shape[0] = En;
+    return select(a.data(), es, shape, dim, r);
+  };
+  if (d.format == WeightFormat::NVFP4) {
+    check_host(d.w1, "w1", 1, {E, N1, H / 2});
+    check_host(d.w2, "w2", 1, {E, H, I / 2});
+    o.w1 = both(d.w1.data, 1, {E, N1, H / 2}, 1, rows1);
+    const std::vector<uint8_t> s1 = linear_scales(d.w1_scale, "w1_scale", d.scale_layout, E, N1, H / 16);
+    o.w1_scale = both(s1.data(), 1, {E, N1, H / 16}, 1, rows1);
+    o.w2 = both(d.w2.data, 1, {E, H, I / 2}, 2, {{cols2.begin / 2, cols2.len / 2}});
+    const std::vector<uint8_t> s2 = linear_scales(d.w2_scale, "w2_scale", d.scale_layout, E, H, I / 16);
+    o.w2_scale = both(s2.data(), 1, {E, H, I / 16}, 2, {{cols2.begin / 16, cols2.len / 16}});
+    // scale2: [E, 2] per half or [E]; copied as given (per expert, unchanged by a TP shard).
+    const int64_t per = d.w1_scale2.present() && d.w1_scale2.numel() == 2 * E ? 2 : 1;
+    o.w1_scale2 = copy_f32(d.w1_scale2, "w1_scale2", per * E);
+    o.w1_scale2.erase(o.w1_scale2.begin(), o.w1_scale2.begin() + experts.begin * per);
+    o.w1_scale2.resize(static_cast<size_t>(En * per));
+    o.w2_scale2 = copy_f32(d.w2_scale2, "w2_scale2", E);
+    o.w2_scale2 = std::vector<float>(o.w2_scale2.begin() + experts.begin, o.w2_scale2.begin() + experts.begin + En);
+    n.w1 = make_view(o.w1.data(), DType::U8, {En, N1n, H / 2});
+    n.w1_scale = make_view(o.w1_scale.data(), DType::E4M3, {En, N1n, H / 16});
+    n.w1_scale2 = per == 2 ? make_view(o.w1_scale2.data(), DType::F32, {En, 2})
+                           : make_view(o.w1_scale2.data(), DType::F32, {En});
+    n.w2 = make_view(o.w2.data(), DType::U8, {En, H, Inew / 2});
+    n.w2_scale = make_view(o.w2_scale.data(), DType::E4M3, {En, H, Inew / 16});
+    n.w2_scale2 = make_view(o.w2_scale2.data(), DType::F32, {En});
+  } else {
+    check_host(d.w1, "w1", 2, {E, N1, H});
+    check_host(d.w2, "w2", 2, {E, H, I});
+    o.w1 = both(d.w1.data, 2, {E, N1, H}, 1, rows1);
+    o.w2 = both(d.w2.data, 2, {E, H, I}, 2, {cols2});
+    n.w1 = make_view(o.w1.data(), DType::BF16, {En, N1n, H});
+    n.w2 = make_view(o.w2.data(), DType::BF16, {En, H, Inew});
+  }
+  if (d.bias1.present()) {
+    check_host(d.bias1, "bias1", 4, {E, N1});
+    o.bias1 = as_vec<float>(both(d.bias1.data, 4, {E, N1}, 1, rows1));
+    n.bias1 = make_view(o.bias1.data(), DType::F32, {En, N1n});
+  }
+  if (d.bias2.present()) {
+    check_host(d.bias2, "bias2", 4, {E, H});
+    if (keep_bias2) {
+      o.bias2 = as_vec<float>(select(d.bias2.data, 4, {E, H}, 0, ex));
+      n.bias2 = make_view(o.bias2.data(), DType::F32, {En, H});
+    }
+  }
+  return o;
+}
+
+int64_t tp_inter(int64_t I, int world) {
+  if (I % world != 0 || (I / world) % 16 != 0)
+    bad("world", "I=" + std::to_string(I) + " split over world=" + std::to_string(world) +
+                     " must give a multiple of 16 per rank (whole NVFP4 blocks of 16 elements)");
+  return I / world;
+}
+
+// Adapter tensors: copies a bf16 host tensor selection into the adapter's storage and returns its view.
+struct AdapterBuilder {
+  ShardedAdapter& o;
+  TensorView take(const TensorView& v, const char* name, std::vector<int64_t> shape, int dim,
+                  const std::vector<Range>& ranges) {
+    if (!v.present()) return TensorView{};
+    if (v.device != Backend::CPU) bad(name, "expected a host tensor");
+    if (v.dtype != DType::BF16) bad(name, std::string("expected bfloat16, got ") + to_string(v.dtype));
+    if (!v.is_contiguous()) bad(name, "expected a contiguous tensor");
+    int64_t n = 1;
+    for (int64_t s : shape) n *= s;
+    if (v.numel() != n) bad(name, "expected " + std::to_string(n) + " elements, got shape " + v.shape_str());
+    o.storage.push_back(as_vec<uint16_t>(select(v.data, 2, shape, dim, ranges)));
+    int64_t out_len = 0;
+    for (const Range& r : ranges) out_len += r.len;
+    shape[dim] = out_len;
+    TensorView t;
+    t.data = o.storage.back().data();
+    t.dtype = DType::BF16;
+    t.ndim = static_cast<int>(shape.size());
+    int64_t st = 1;
+    for (int i = t.ndim - 1; i >= 0; --i) {
+      t.shape[i] = shape[i];
+      t.stride[i] = st;
+      st *= shape[i];
+    }
+    return t;
+  }
+};
+
+// Leading dims of a tensor, for adapters whose E / H we infer from their own shapes.
+int64_t dim_of(const TensorView& v, int i) { return v.present() && i < v.ndim ? v.shape[i] : 0; }
+
+}  // namespace
+
+// ---- sharding -----------------------------------------------------------------------------------------
+ShardedWeights shard_weights_tp(const WeightsDesc& full, int rank, int world) {
+  check_rank_world(rank, world);
+  check_common(full);
+  const int64_t I = full.inter, Is = tp_inter(I, world);
+  std::vector<Range> rows1 = {{rank * Is, Is}};
+  if (full.gated) rows1.push_back({I + rank * Is, Is});  // the second half, whatever the half order
+  return cut(full, {0, full.num_experts}, Is, rows1, {rank * Is, Is}, rank == 0);
+}
+
+ShardedWeights slice_experts(const WeightsDesc& full, int64_t begin, int64_t count) {
+  check_common(full);
+  if (begin < 0 || count < 1 || begin + count > full.num_experts)
+    bad("begin", "expert range [" + std::to_string(begin) + ", " + std::to_string(begin + count) +
+                     ") not inside [0, " + std::to_string(full.num_experts) + ")");
+  std::vector<Range> rows1 = {{0, full.gated ? 2 * full.inter : full.inter}};
+  return cut(full, {begin, count}, full.inter, rows1, {0, full.inter}, true);
+}
+
+ShardedAdapter shard_adapter_tp(const LoraAdapterDesc& d, int64_t inter, int rank, int world, int64_t shared_inter) {
+  check_rank_world(rank, world);
+  if (inter < 16 || inter % 16) bad("inter", "expected a positive multiple of 16, got " + std::to_string(inter));
+  const int64_t I = inter, Is = tp_inter(I, world), r = d.rank;
+  if (r < 1) bad("rank", "the adapter's LoRA rank must be >= 1, got " + std::to_string(r));
+  ShardedAdapter o;
+  o.desc = d;
+  AdapterBuilder b{o};
+  auto keep = [&](const TensorView& v, const char* name) {
+    if (!v.present()) return TensorView{};
+    std::vector<int64_t> shape(v.shape, v.shape + v.ndim);
+    return b.take(v, name, shape, 0, {{0, shape[0]}});
+  };
+  const std::vector<Range> halves = {{rank * Is, Is}, {I + rank * Is, Is}};
+  const std::vector<Range> one = {{rank * Is, Is}};
+  if (d.layout == LoraLayout::PerExpert) {
+    const int64_t E = dim_of(d.b_gate, 0) ? dim_of(d.b_gate, 0) : dim_of(d.a_down, 0);
+    o.desc.a_gate = keep(d.a_gate, "a_gate");
+    o.desc.a_up = keep(d.a_up, "a_up");
+    o.desc.b_gate = b.take(d.b_gate, "b_gate", {E, I, r}, 1, one);
+    o.desc.b_up = b.take(d.b_up, "b_up", {E, I, r}, 1, one);
+  } else {
+    o.desc.a_gate_up = keep(d.a_gate_up, "a_gate_up");
+    const int64_t E = dim_of(d.b_gate_up, 0);
+    if (d.b_gate_up.present()) {
+      const int64_t N1 = dim_of(d.b_gate_up, 1);
+      if (N1 != I && N1 != 2 * I) bad("b_gate_up", "expected [E, 2I or I, r] with I=" + std::to_string(I) + ", got " + d.b_gate_up.shape_str());
+      o.desc.b_gate_up = b.take(d.b_gate_up, "b_gate_up", {E, N1, r}, 1, N1 == 2 * I ? halves : one);
+    }
+  }
+  // down: A2's K dim is I -> columns sharded; B2 replicated.
+  if (d.a_down.present()) {
+    const int64_t E = dim_of(d.a_down, 0);
+    o.desc.a_down = b.take(d.a_down, "a_down", {E, r, I}, 2, one);
+  }
+  o.desc.b_down = keep(d.b_down, "b_down");
+  // The shared expert's LoRA, sharded like the shared expert (shard_weights_tp with E = 1).
+  const bool has_shared = d.shared_a_gate_up.present() || d.shared_a_down.present();
+  if (has_shared) {
+    if (shared_inter < 16 || shared_inter % 16)
+      bad("shared_inter", "the adapter has shared-expert LoRA: expected the shared expert's full I (multiple of 16), got " +
+                              std::to_string(shared_inter));
+    const int64_t SI = shared_inter, SIs = tp_inter(SI, world);
+    o.desc.shared_a_gate_up = keep(d.shared_a_gate_up, "shared_a_gate_up");
+    if (d.shared_b_gate_up.present()) {
+      const int64_t N1 = dim_of(d.shared_b_gate_up, 0);
+      if (N1 != SI && N1 != 2 * SI) bad("shared_b_gate_up", "expected [2I or I, r], got " + d.shared_b_gate_up.shape_str());
+      const std::vector<Range> sh = N1 == 2 * SI ? std::vector<Range>{{rank * SIs, SIs}, {SI + rank * SIs, SIs}}
+                                                 : std::vector<Range>{{rank * SIs, SIs}};
+      o.desc.shared_b_gate_up = b.take(d.shared_b_gate_up, "shared_b_gate_up", {N1, r}, 0, sh);
+    }
+    if (d.shared_a_down.present())
+      o.desc.shared_a_down = b.take(d.shared_a_down, "shared_a_down", {r, SI}, 1, {{rank * SIs, SIs}});
+    o.desc.shared_b_down = keep(d.shared_b_down, "shared_b_down");
+  }
+  return o;
+}
+
+ShardedAdapter slice_adapter_experts(const LoraAdapterDesc& d, int64_t num_experts, int64_t begin, int64_t count) {
+  if (num_experts < 1) bad("num_experts", "expected >= 1, got " + std::to_string(num_experts));
+  if (begin < 0 || count < 1 || begin + count > num_experts)
+    bad("begin", "expert range [" + std::to_string(begin) + ", " + std::to_string(begin + count) +
+                     ") not inside [0, " + std::to_string(num_experts) + ")");
+  ShardedAdapter o;
+  o.desc = d;
+  AdapterBuilder b{o};
+  auto per_expert = [&](const TensorView& v, const char* name) {
+    if (!v.present()) return TensorView{};
+    if (v.ndim < 2 || v.shape[0] != num_experts)
+      bad(name, "expected a leading expert dim of " + std::to_string(num_experts) + ", got " + v.shape_str());
+    std::vector<int64_t> shape(v.shape, v.shape + v.ndim);
+    return b.take(v, name, shape, 0, {{begin, count}});
+  };
+  auto keep = [&](const TensorView& v, const char* name) {
+    if (!v.present()) return TensorView{};
+    std::vector<int64_t> shape(v.shape, v.shape + v.ndim);
+    return b.take(v, name, shape, 0, {{0, shape[0]}});
+  };
+  const bool shared_outer = d.layout == LoraLayout::SharedOuter;
+  o.desc.a_gate = per_expert(d.a_gate, "a_gate");
+  o.desc.a_up = per_expert(d.a_up, "a_up");
+  o.desc.b_gate = per_expert(d.b_gate, "b_gate");
+  o.desc.b_up = per_expert(d.b_up, "b_up");
+  o.desc.a_gate_up = shared_outer ? keep(d.a_gate_up, "a_gate_up") : per_expert(d.a_gate_up, "a_gate_up");
+  o.desc.b_gate_up = per_expert(d.b_gate_up, "b_gate_up");
+  o.desc.a_down = per_expert(d.a_down, "a_down");
+  o.desc.b_down = shared_outer ? keep(d.b_down, "b_down") : per_expert(d.b_down, "b_down");
+  o.desc.shared_a_gate_up = keep(d.shared_a_gate_up, "shared_a_gate_up");
+  o.desc.shared_b_gate_up = keep(d.shared_b_gate_up, "shared_b_gate_up");
+  o.desc.shared_a_down = keep(d.shared_a_down, "shared_a_down");
+  o.desc.shared_b_down = keep(d.shared_b_down, "shared_b_down");
+  return o;
+}
+
+ExpertWindow expert_window(int64_t num_experts_total, int rank, int world) {
+  check_rank_world(rank, world);
+  if (num_experts_total < world)
+    bad("num_experts_total", "expected >= world=" + std::to_string(world) + " (every rank holds an expert), got " +
+                                 std::to_string(num_experts_total));
+  const int64_t base = num_experts_total / world, extra = num_experts_total % world;
+  ExpertWindow w;
+  w.count = base + (rank < extra ? 1 : 0);
+  w.offset = rank * base + std::min<int64_t>(rank, extra);
+  return w;
+}
+
+// ---- the in-process communicator -------------------------------------------------------------------------
+struct InProcessGroup::State {
+  int world = 1;
+  std::chrono::duration<double> timeout;
+  std::mutex mu;
+  std::condition_variable cv;
+  int arrived = 0;
+  uint64_t generation = 0;
+  bool aborted = false;
+  std::vector<const void*> in;  // per rank, published before the first barrier of a collective
+  std::vector<void*> out;
+
+  // Waits until all ranks arrive (a generation barrier); throws if the group is aborted or time runs out.
+  void wait_all() {
+    std::unique_lock<std::mutex> lock(mu);
+    if (aborted) throw Error(ErrorCode::InvalidArgument, "comm", "the in-process group was aborted by another rank");
+    const uint64_t gen = generation;
+    if (++arrived == world) {
+      arrived = 0;
+      ++generation;
+      cv.notify_all();
+      return;
+    }
+    if (!cv.wait_for(lock, timeout, [&] { return generation != gen || aborted; })) {
+      aborted = true;
+      cv.notify_all();
+      throw Error(ErrorCode::InvalidArgument, "comm", "a collective timed out: not every rank arrived");
+    }
+    if (aborted && generation == gen)
+      throw Error(ErrorCode::InvalidArgument, "comm", "the in-process group was aborted by another rank");
+  }
+};
+
+namespace {
+class InProcessComm final : public Communicator {
+ public:
+  InProcessComm(InProcessGroup::State* s, int rank) : s_(s), rank_(rank) {}
+  int rank() const override { return rank_; }
+  int world() const override { return s_->world; }
+  Backend device() const override { return Backend::CPU; }
+
+  void allreduce_sum_f32(float* data, int64_t count) override {
+    if (count < 0) bad("count", "expected >= 0");
+    if (count > 0 && !data) bad("data", "is null");
+    // Each rank sums all ranks' buffers in rank order into a private copy, then all write back: every rank
+    // computes the same additions in the same order, so all end bit-identical.
+    s_->in[rank_] = data;
+    s_->wait_all();
+    std::vector<float> sum(static_cast<size_t>(count));
+    for (int p = 0; p < s_->world; ++p) {
+      const float* src = static_cast<const float*>(s_->in[p]);
+      if (p == 0) std::copy_n(src, count, sum.data());
+      else for (int64_t i = 0; i < count; ++i) sum[i] += src[i];
+    }
+    s_->wait_all();  // nobody overwrites its buffer before all have read it
+    std::copy_n(sum.data(), count, data);
+    s_->wait_all();
+  }
+  void allgather(const void* in, void* out, int64_t bytes) override {
+    if (bytes < 0) bad("bytes", "expected >= 0");
+    s_->in[rank_] = in;
+    s_->wait_all();
+    for (int p = 0; p < s_->world; ++p)
+      std::memcpy(static_cast<uint8_t*>(out) + p * bytes, s_->in[p], static_cast<size_t>(bytes));
+    s_->wait_all();
+  }
+  void reduce_scatter_sum_f32(const float* in, float* out, int64_t count) override {
+    if (count < 0) bad("count", "expected >= 0");
+    s_->in[rank_] = in;
+    s_->wait_all();
+    for (int64_t i = 0; i < count; ++i) {
+      float acc = 0.f;
+      for (int p = 0; p < s_->world; ++p) {
+        const float v = static_cast<const float*>(s_->in[p])[rank_ * count + i];
+        acc = p == 0 ? v : acc + v;
+      }
+      out[i] = acc;
+    }
+    s_->wait_all();
+  }
+  void barrier() override { s_->wait_all(); }
+
+ private:
+  InProcessGroup::State* s_;
+  int rank_;
+};
+}  // namespace
+
+InProcessGroup::InProcessGroup(int world, double timeout_s) : state_(std::make_unique<State>()) {
+  if (world < 1) bad("world", "expected >= 1, got " + std::to_string(world));
+  if (!(timeout_s > 0)) bad("timeout_s", "expected > 0");
+  state_->world = world;
+  state_->timeout = std::chrono::duration<double>(timeout_s);
+  state_->in.assign(static_cast<size_t>(world), nullptr);
+  state_->out.assign(static_cast<size_t>(world), nullptr);
+  for (int r = 0; r < world; ++r) comms_.push_back(std::make_unique<InProcessComm>(state_.get(), r));
+}
+InProcessGroup::~InProcessGroup() = default;
+int InProcessGroup::world() const { return state_->world; }
+Communicator& InProcessGroup::comm(int rank) {
+  check_rank_world(rank, state_->world);
+  return *comms_[static_cast<size_t>(rank)];
+}
+void InProcessGroup::abort() {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  state_->aborted = true;
+  state_->cv.notify_all();
+}
+
+// ---- the parallel run calls ------------------------------------------------------------------------------
+namespace {
+
+// `precheck` runs inside the failure agreement (its errors do not leave other ranks waiting).
+void run_and_reduce(const MoeWeights& w, MoeArgs local, const MoeArgs& args, Communicator& comm,
+                    ParallelOutput output, const std::function<void()>& precheck) {
+  const int64_t world = comm.world();
+  int64_t T = 0, H = 0, rows = 0;
+  std::vector<float> partial;
+  // Checks and the local run; a failure on one rank is agreed on by all before any data collective, so no
+  // rank waits for one that threw. The failing rank rethrows its own error (same code and argument).
+  // Decided identically on every rank (no data involved), so throwing here leaves no rank waiting.
+  if (!w.valid()) bad("weights", "not prepared");
+  if (w.backend() != Backend::CPU || comm.device() != Backend::CPU)
+    throw Error(ErrorCode::Unsupported, "weights",
+                "parallel runs need the CPU backend and a host communicator in this build: the CUDA backend "
+                "writes only a bf16 y, and summing bf16 partials would round twice (SPEC §3.2 step 6 rounds once)");
+  std::unique_ptr<Error> err;
+  try {
+    if (precheck) precheck();
+    if (!args.x.present()) bad("x", "is required but absent");
+    if (!args.y.present()) bad("y", "is required but absent");
+    if (args.x.ndim != 2) bad("x", "expected [T, H], got " + args.x.shape_str());
+    T = args.x.shape[0];
+    H = w.hidden();
+    rows = T;
+    if (output == ParallelOutput::ReduceScatter) {
+      if (T % world)
+        bad("x", "ReduceScatter needs T divisible by world=" + std::to_string(world) + ", got T=" + std::to_string(T));
+      rows = T / world;
+    }
+    if (args.y.device != Backend::CPU) bad("y", "expected a host tensor");
+    if (args.y.dtype != DType::BF16 && args.y.dtype != DType::F32)
+      bad("y", std::string("expected bfloat16 or float32, got ") + to_string(args.y.dtype));
+    if (args.y.ndim != 2 || args.y.shape[0] != rows || args.y.shape[1] != H)
+      bad("y", "expected [" + std::to_string(rows) + ", " + std::to_string(H) + "], got " + args.y.shape_str());
+    // The local operator into an fp32 partial (the reference writes fp32 y without a bf16 rounding).
+    partial.assign(static_cast<size_t>(T * H), 0.f);
+    local.y = make_view(partial.data(), DType::F32, {T, H});
+    moe_run(w, local);
+  } catch (const Error& e) {
+    err = std::make_unique<Error>(e);
+  } catch (const std::exception& e) {
+    err = std::make_unique<Error>(ErrorCode::InvalidArgument, "", e.what());
+  }
+  float failed = err ? 1.f : 0.f;
+  comm.allreduce_sum_f32(&failed, 1);
+  if (err) throw *err;
+  if (failed != 0.f) throw Error(ErrorCode::InvalidArgument, "comm", "another rank's checks or local run failed");
+  std::vector<float> sum;
+  const float* src;
+  if (output == ParallelOutput::AllReduce) {
+    comm.allreduce_sum_f32(partial.data(), T * H);
+    src = partial.data();
+  } else {
+    sum.resize(static_cast<size_t>(rows * H));
+    comm.reduce_scatter_sum_f32(partial.data(), sum.data(), rows * H);
+    src = sum.data();
+  }
+  // One rounding to the caller's dtype, respecting y's strides.
+  for (int64_t t = 0; t < rows; ++t)
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t off = t * args.y.stride[0] + h * args.y.stride[1];
+      const float v = src[t * H + h];
+      if (args.y.dtype == DType::BF16) args.y.as<uint16_t>()[off] = f32_to_bf16_bits(v);
+      else args.y.as<float>()[off] = v;
+    }
+}
+
+}  // namespace
+
+void moe_run_tp(const MoeWeights& shard, const MoeArgs& args, Communicator& comm, ParallelOutput output) {
+  run_and_reduce(shard, args, args, comm, output, nullptr);
+}
+
+void moe_run_ep(const MoeWeights& local, const MoeArgs& args, Communicator& comm, ParallelOutput output) {
+  if (!local.valid()) bad("weights", "not prepared");
+  auto precheck = [&] {
+    const int64_t E = args.num_experts_total;
+    if (E < 1) bad("num_experts_total", "expected the model's E (>= 1) for expert parallelism, got " + std::to_string(E));
+    const ExpertWindow win = expert_window(E, comm.rank(), comm.world());
+    if (args.local_expert_offset != win.offset)
+      bad("local_expert_offset", "expected " + std::to_string(win.offset) + " (expert_window of rank " +
+                                     std::to_string(comm.rank()) + "), got " + std::to_string(args.local_expert_offset));
+    if (local.num_experts() != win.count)
+      bad("weights", "expected " + std::to_string(win.count) + " local experts (expert_window), got " +
+                         std::to_string(local.num_experts()));
+  };
+  MoeArgs a = args;
+  if (comm.rank() != 0) a.shared_expert = nullptr;  // the shared expert is added once, on rank 0
+  run_and_reduce(local, a, args, comm, output, precheck);
+}
+
+#if !defined(FP4MOE_WITH_NCCL)
+std::unique_ptr<Communicator> make_nccl_communicator(void*, void*) {
+  throw Error(ErrorCode::Unsupported, "nccl_comm", "this build of fp4moe has no NCCL (FP4MOE_WITH_NCCL undefined)");
+}
+bool nccl_available() { return false; }
+#endif
+
+}  // namespace fp4moe
