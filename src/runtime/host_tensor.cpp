@@ -12,35 +12,11 @@ namespace fp4moe::detail {
 
 namespace {
 
-const char* dtype_name(DType t) {
-  switch (t) {
-    case DType::F32: return "f32";
-    case DType::BF16: return "bf16";
-    case DType::U8: return "u8";
-    case DType::I32: return "i32";
-    case DType::E4M3: return "e4m3";
-    case DType::F64: return "f64";
-    case DType::F16: return "f16";
-    case DType::I64: return "i64";
-  }
-  return "unknown";
-}
-
 [[noreturn]] void fail(const std::string& name, const std::string& what) {
   throw Error(ErrorCode::InvalidArgument, name, what);
 }
 
 }  // namespace
-
-size_t elem_size(DType t) {
-  switch (t) {
-    case DType::U8: case DType::E4M3: return 1;
-    case DType::BF16: case DType::F16: return 2;
-    case DType::F32: case DType::I32: return 4;
-    case DType::F64: case DType::I64: return 8;
-  }
-  return 0;
-}
 
 std::string shape_list_str(std::initializer_list<int64_t> shape) {
   std::string s = "[";
@@ -80,9 +56,9 @@ void check_view(const TensorView& v, const std::string& name, std::initializer_l
   for (DType d : dtypes) {
     if (d == v.dtype) ok = true;
     if (!allowed.empty()) allowed += " or ";
-    allowed += dtype_name(d);
+    allowed += to_string(d);
   }
-  if (!ok) fail(name, "expected dtype " + allowed + ", got " + dtype_name(v.dtype));
+  if (!ok) fail(name, "expected dtype " + allowed + ", got " + to_string(v.dtype));
   if (v.device == Backend::CUDA) {
 #ifndef FP4MOE_WITH_CUDA
     throw Error(ErrorCode::Unsupported, name, "expected a host tensor (this build has no CUDA), got a CUDA tensor");
@@ -104,7 +80,7 @@ void check_shape(const TensorView& v, const std::string& name, std::initializer_
 }
 
 std::vector<uint8_t> gather_bytes(const TensorView& v, const std::string& name) {
-  const size_t es = elem_size(v.dtype);
+  const size_t es = dtype_size(v.dtype);
   const int64_t n = v.numel();
   std::vector<uint8_t> out(static_cast<size_t>(n) * es);
   if (n == 0) return out;
@@ -168,13 +144,13 @@ std::vector<float> gather_f32(const TensorView& v, const std::string& name) {
       out[i] = bf16_bits_to_f32(b);
     }
   } else {
-    fail(name, std::string("expected dtype f32 or bf16, got ") + dtype_name(v.dtype));
+    fail(name, std::string("expected dtype f32 or bf16, got ") + to_string(v.dtype));
   }
   return out;
 }
 
 std::vector<uint16_t> gather_u16(const TensorView& v, const std::string& name) {
-  if (elem_size(v.dtype) != 2) fail(name, std::string("expected a 2-byte dtype, got ") + dtype_name(v.dtype));
+  if (dtype_size(v.dtype) != 2) fail(name, std::string("expected a 2-byte dtype, got ") + to_string(v.dtype));
   std::vector<uint8_t> raw = gather_bytes(v, name);
   std::vector<uint16_t> out(static_cast<size_t>(v.numel()));
   std::memcpy(out.data(), raw.data(), raw.size());
@@ -182,7 +158,7 @@ std::vector<uint16_t> gather_u16(const TensorView& v, const std::string& name) {
 }
 
 std::vector<uint8_t> gather_u8(const TensorView& v, const std::string& name) {
-  if (elem_size(v.dtype) != 1) fail(name, std::string("expected a 1-byte dtype, got ") + dtype_name(v.dtype));
+  if (dtype_size(v.dtype) != 1) fail(name, std::string("expected a 1-byte dtype, got ") + to_string(v.dtype));
   return gather_bytes(v, name);
 }
 

@@ -31,8 +31,6 @@ std::vector<float> gather_f32(const TensorView& v, const std::string& name);    
 std::vector<uint16_t> gather_u16(const TensorView& v, const std::string& name);   // bf16 bits
 std::vector<uint8_t> gather_u8(const TensorView& v, const std::string& name);     // u8 / e4m3 codes
 
-// Element size of the dtypes these helpers handle.
-size_t elem_size(DType t);
 
 // Rounds a double to bf16 (nearest, ties to even) with a single rounding: first to float with
 // round-to-odd (float keeps >= 2 extra bits, so the final rounding is correct), then RNE to bf16.

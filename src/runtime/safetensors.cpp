@@ -64,11 +64,6 @@ std::string json_escape(const std::string& s) {
 
 }  // namespace
 
-size_t dtype_name_size(const std::string& name) {
-  const DtypeInfo* d = dtype_info(name);
-  return d ? d->size : 0;
-}
-
 int64_t TensorInfo::numel() const {
   int64_t n = 1;
   for (int64_t s : shape) n *= s;

@@ -63,7 +63,4 @@ struct WriteTensor {
 void write_file(const std::string& path, const std::vector<WriteTensor>& tensors,
                 const std::map<std::string, std::string>& metadata = {});
 
-// Element size of a safetensors dtype name, 0 when unknown.
-size_t dtype_name_size(const std::string& name);
-
 }  // namespace fp4moe::safetensors

@@ -1,5 +1,7 @@
 #include "runtime/validate.h"
 
+#include "runtime/host_tensor.h"
+
 #include <cmath>
 #include <sstream>
 #include <string>
@@ -11,15 +13,6 @@ namespace {
   throw Error(ErrorCode::InvalidArgument, arg, what);
 }
 
-std::string dims(std::initializer_list<int64_t> s) {
-  std::ostringstream os;
-  os << "[";
-  int i = 0;
-  for (int64_t v : s) os << (i++ ? ", " : "") << v;
-  os << "]";
-  return os.str();
-}
-
 // A tensor that must be present, of one dtype and shape, contiguous, on the call's device.
 void expect(const TensorView& t, const char* name, DType dtype, std::initializer_list<int64_t> shape, Backend dev,
             int dev_id) {
@@ -29,7 +22,7 @@ void expect(const TensorView& t, const char* name, DType dtype, std::initializer
   bool ok = t.ndim == static_cast<int>(shape.size());
   int i = 0;
   for (int64_t s : shape) ok = ok && t.shape[i++] == s;
-  if (!ok) fail(name, "expected shape " + dims(shape) + ", got " + t.shape_str());
+  if (!ok) fail(name, "expected shape " + detail::shape_list_str(shape) + ", got " + t.shape_str());
   for (int d = 0; d < t.ndim; ++d)
     if (t.shape[d] < 0 || t.stride[d] < 0) fail(name, "negative size or stride");
   if (!t.is_contiguous()) fail(name, "must be contiguous (row-major), got strides that are not");
@@ -191,6 +184,18 @@ CallShape validate_moe_args(const MoeWeights& weights, const MoeArgs& a, const A
   if (a.adapters) {
     if (a.adapters->backend() != dev) fail("adapters", "registry lives on another backend than the weights");
     expect(a.adapter_ids, "adapter_ids", DType::I32, {s.T}, dev, dev_id);
+    // Every loaded slot must fit this layer (and the call's shared expert): a registry made for another layer
+    // is refused here, for every backend.
+    for (size_t i = 0; i < adapters->size(); ++i) {
+      const PreparedAdapter* ad = (*adapters)[i].get();
+      if (!ad) continue;
+      const std::string slot = "slot " + std::to_string(i);
+      if (ad->E != s.E_loc || ad->H != s.H || ad->I != s.I || ad->N1 != s.N1)
+        fail("adapters", slot + " was prepared for another layer shape");
+      if (ad->has_shared && a.shared_expert &&
+          (ad->s_I != a.shared_expert->impl().I || ad->s_N1 != a.shared_expert->impl().n1()))
+        fail("adapters", slot + ": its shared-expert LoRA does not match the shared expert");
+    }
     if (dev == Backend::CPU) {
       const int32_t* ids = a.adapter_ids.as<int32_t>();
       const int64_t slots = static_cast<int64_t>(adapters->size());

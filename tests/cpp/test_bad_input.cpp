@@ -177,3 +177,26 @@ TEST(BadInputBaseline, UnpreparedWeightsAreRefused) {
 }
 
 }  // namespace
+
+namespace {
+TEST(BadInputBaseline, RegistryOfAnotherLayerIsRefused) {
+  Fixture f;
+  constexpr ModelShape kOther = {"other", 64, 48, 4, 2, RoutingMethod::Renormalize, 1, 1, 1.f,
+                                 ActivationType::Swiglu, 1.f, 0.f, 0.f, 4};
+  SyntheticLayer other = make_synthetic_layer(kOther, 0, 12);
+  MoeWeights w_other = prepare_weights(other.desc(), Backend::CPU);
+  AdapterRegistry reg(w_other, 4);
+  SyntheticAdapter ad = make_synthetic_adapter(other, 4, 13);
+  reg.load(1, ad.desc());
+  MoeArgs a = f.args();
+  a.adapters = &reg;
+  a.adapter_ids = make_view(f.ids.data(), DType::I32, {f.T});  // all base: the slot's shape alone must fail
+  try {
+    moe_run(f.w, a);
+    FAIL() << "a registry prepared for another layer was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.argument(), "adapters") << e.what();
+  }
+  EXPECT_TRUE(f.untouched());
+}
+}  // namespace
