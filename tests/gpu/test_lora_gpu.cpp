@@ -8,11 +8,14 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "fp4moe/plan.h"
@@ -498,6 +501,75 @@ TEST(GpuLoraGraphs, CaptureAndReplay) {
     replay(exec, y2, "first call after a load");
     CUDA_OK(cudaGraphExecDestroy(exec));
   }
+  EXPECT_NO_THROW(check_device_errors(0));
+  CUDA_OK(cudaStreamDestroy(s));
+}
+
+// ---- 64 resident adapters at the full qwen3_30b_a3b layer, and load/unload racing the operator ---------------
+// 64 adapters (mixed layouts, ranks 1..64) stay resident; one batch names every one of them and is checked
+// against the reference. Then one thread loads and unloads two other slots over and over while this thread
+// runs the operator on a non-blocking stream: every output must equal the first bit for bit (SPEC §5:
+// a running batch holds its snapshot), and nothing may crash.
+TEST(GpuLoraResident, SixtyFourAdaptersAndConcurrentLoads) {
+  FP4MOE_SKIP_WITHOUT_GPU();
+  Case c;
+  c.shape = model("qwen3_30b_a3b");
+  c.E_loc = c.E_total = c.shape.E;  // the full layer: 128 experts
+  c.T = 192;
+  c.check_tokens = 24;
+  c.seed = 71;
+  auto layer = make_layer(c);
+  constexpr int kResident = 64, kSlots = kResident + 2;
+  Registries R(*layer, kSlots);
+  size_t free0 = 0, total = 0;
+  CUDA_OK(cudaMemGetInfo(&free0, &total));
+  const LoraLayout layouts[3] = {LoraLayout::PeftFused, LoraLayout::PerExpert, LoraLayout::SharedOuter};
+  const int64_t ranks[6] = {16, 1, 64, 8, 32, 4};
+  for (int i = 0; i < kResident; ++i)
+    R.load(i, *layer, {layouts[i % 3], ranks[i % 6], false, false, static_cast<uint64_t>(700 + i)});
+  size_t free1 = 0;
+  CUDA_OK(cudaMemGetInfo(&free1, &total));
+  std::printf("STAT lora resident: %d adapters on the GPU, %.1f MB of device memory\n", kResident,
+              (static_cast<double>(free0) - static_cast<double>(free1)) / 1e6);
+  std::vector<int32_t> ids(static_cast<size_t>(c.T));
+  for (int64_t t = 0; t < c.T; ++t) ids[t] = t % 3 == 2 ? -1 : static_cast<int32_t>((t * 7) % kResident);
+  check_against_reference(c, *layer, R, ids, "qwen full E=128, 64 resident adapters");
+
+  Inputs in = make_inputs(c);
+  LoraCall call{make_gpu_call(c, in, *layer), DevBuf()};
+  cudaStream_t s;
+  CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  const std::vector<uint16_t> y0 = call.run(*layer, R.gpu.get(), ids, s);
+  std::atomic<bool> stop{false};
+  std::atomic<int> loads{0};
+  std::string writer_error;
+  // The writer owns its adapters' storage only for the duration of a load (the registry copies).
+  std::thread writer([&] {
+    try {
+      for (uint64_t i = 0; !stop.load(); ++i) {
+        const int slot = kResident + static_cast<int>(i % 2);
+        R.gpu->load(slot, make_adapter(*layer, {layouts[i % 3], ranks[i % 6], false, false, 900 + i})->desc());
+        R.gpu->unload(slot);
+        loads.fetch_add(1);
+      }
+    } catch (const std::exception& e) {
+      writer_error = e.what();
+    }
+  });
+  int differing = 0, calls = 0;
+  const auto t_end = std::chrono::steady_clock::now() + std::chrono::seconds(8);
+  while (std::chrono::steady_clock::now() < t_end || loads.load() < 4) {
+    differing += call.run(*layer, R.gpu.get(), ids, s) != y0;
+    ++calls;
+    if (calls > 100000) break;
+  }
+  stop = true;
+  writer.join();
+  std::printf("STAT lora concurrent: %d calls while %d load+unload pairs ran in another thread, %d differing\n", calls,
+              loads.load(), differing);
+  EXPECT_TRUE(writer_error.empty()) << writer_error;
+  EXPECT_GE(loads.load(), 4);
+  EXPECT_EQ(differing, 0) << "a load/unload in another thread changed a running batch's output";
   EXPECT_NO_THROW(check_device_errors(0));
   CUDA_OK(cudaStreamDestroy(s));
 }
