@@ -170,7 +170,7 @@ def test_torch_custom_op(layer):
 
     def f(a, b):
         return torch.ops.fp4moe.moe(a, h, b, None, None, None, K, int(fp4moe.RoutingMethod.Renormalize), 1, 1, 1.0,
-                                    int(fp4moe.ActivationType.Swiglu), None, None, None, 0, 0, 0, 0.0, 0.0, 0, 0,
-                                    None) * 2
+                                    int(fp4moe.ActivationType.Swiglu), None, None, None, 0, 0, 0, 0.0, 0.0,
+                                    0, 1.0, 0.0, 0.0, False, 0, None, None) * 2
     y_c = torch.compile(f, backend="aot_eager", fullgraph=True)(xg, lg)
     assert torch.equal(y_c.view(torch.int16), (y_ref * 2).view(torch.int16))

@@ -16,7 +16,7 @@ BIN=${BIN:-build-dev}
 BUDGET=${BUDGET:-520}
 FILTER=${FILTER:-*}
 t0=$(date +%s)
-S="$OUT/summary.log"
+S="$OUT/0-summary.log"
 say() { echo "$*" | tee -a "$S"; }
 left() { echo $(( BUDGET - ($(date +%s) - t0) )); }
 step() {  # step NAME CAP CMD...: CMD with min(CAP, time left) seconds, output to $OUT/NAME.log
@@ -47,8 +47,8 @@ pybuild=$!
   whl=$(ls dist/multiarch/fp4moe-*.whl 2>/dev/null | head -1)
   if [ -n "$whl" ]; then
     python3 -m zipfile -l "$whl" > "$OUT/wheel-files.log" 2>&1
-    unzip -p "$whl" 'fp4moe/METADATA.json' > "$OUT/METADATA.json" 2>/dev/null
-    so=$(mktemp -d); unzip -q -o "$whl" -d "$so"
+    so=$(mktemp -d); python3 -m zipfile -e "$whl" "$so"
+    cp "$so/fp4moe/METADATA.json" "$OUT/METADATA.json" 2>/dev/null
     cuobjdump --list-elf "$so"/fp4moe/_C*.so >> "$OUT/wheel-files.log" 2>&1
   fi ) &
 wheelbuild=$!
@@ -67,7 +67,7 @@ step bench 60 "$BIN/fp4moe" bench --quick --shapes kimi_k3_tp8,qwen3_30b_a3b --j
 tail -30 "$OUT/bench.log" >> "$S"
 wait $pybuild
 tail -1 "$OUT/py-build.log" | sed 's/^/== python build /' | tee -a "$S"
-export FP4MOE_BUILD_DIR=$PWD/build-py PYTHONUNBUFFERED=1
+export FP4MOE_BUILD_DIR=$PWD/build-py PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python
 for i in 1 2 3; do
   python3 -c "import time; t=time.perf_counter(); import fp4moe; fp4moe.build_info(); import torch; \
 print('load (import + extension + checks + build_info): %.3f s' % (time.perf_counter()-t-0))" 2>&1 | tail -1 | tee -a "$S"
