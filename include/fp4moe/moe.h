@@ -140,7 +140,7 @@ struct MoeArgs {
   TensorView gate_up_lora_delta;  // bf16 [T, k, N1], in
   TensorView activation_out;      // bf16 [T, k, I], out (slots whose expert is not local are written 0)
   // Output and workspace.
-  TensorView y;                   // bf16 [T, H] (the reference also accepts f32 / f64)
+  TensorView y;                   // bf16 [T, H], or f32 (the unrounded sum); the reference also takes f64
   TensorView workspace;           // u8, >= workspace_size(); CUDA only; absent = allocate internally
   void* stream = nullptr;         // cudaStream_t
   Precision precision = Precision::Fp32;  // Fp64: CPU reference only

@@ -367,7 +367,7 @@ def moe(x, weights: MoeWeights, *, routing_logits=None, routing_bias=None, topk_
         per_token_x_scale: bool = False, shared_expert: MoeWeights | None = None, shared_alpha=None,
         shared_beta=None, shared_clamp_limit=None, adapters: AdapterRegistry | None = None, adapter_ids=None,
         gate_up_lora_delta=None, activation_out=None, out=None, workspace=None, stream=None,
-        precision="fp32", num_threads: int = 0):
+        precision="fp32", num_threads: int = 0, _runner=None):
     """The fused MoE layer (SPEC §3): y [T, H] bfloat16 = Σ_j w_tj · expert_e(x_t) (+ shared expert).
 
     Routing from routing_logits [T, E] (+ routing_bias [E]) or precomputed topk_ids int32 [T, k] and
@@ -411,7 +411,8 @@ def moe(x, weights: MoeWeights, *, routing_logits=None, routing_bias=None, topk_
         "y": as_arg(out, "out"),
         "workspace": as_arg(workspace, "workspace"),
     }
-    _C.moe_run(weights.native, tensors, int(method), int(top_k), int(n_group), int(topk_group),
+    # _runner: fp4moe.distributed's moe_tp / moe_ep (same arguments, the parallel native call).
+    (_runner or _C.moe_run)(weights.native, tensors, int(method), int(top_k), int(n_group), int(topk_group),
                float(routed_scaling_factor), int(act), int(num_experts_total), int(local_expert_offset), int(md),
                float(fc1_input_scale), float(fc2_input_scale), bool(per_token_x_scale),
                None if shared_expert is None else shared_expert.native,

@@ -20,6 +20,7 @@
 #include "fp4moe/build_info.h"
 #include "fp4moe/moe.h"
 #include "fp4moe/nvfp4.h"
+#include "fp4moe/parallel.h"
 #include "fp4moe/peft.h"
 #include "fp4moe/plan.h"
 #include "fp4moe/quantize.h"
@@ -282,16 +283,13 @@ void py_load(AdapterRegistry& reg, int slot, const nb::dict& t, int layout, int6
   reg.load(slot, d);
 }
 
-void py_moe_run(const MoeWeights& weights, const nb::dict& t, int routing_method, int64_t top_k, int64_t n_group,
-                int64_t topk_group, float routed_scaling_factor, int activation, int64_t num_experts_total,
-                int64_t local_expert_offset, int mode, float fc1_input_scale, float fc2_input_scale,
-                bool per_token_x_scale, const MoeWeights* shared_expert, float shared_alpha, float shared_beta,
-                float shared_clamp_limit, bool shared_params_given, const AdapterRegistry* adapters,
-                uintptr_t stream, int precision, int num_threads) {
-  check_keys(t, {"x", "routing_logits", "routing_bias", "topk_ids", "topk_weights", "gemm1_alpha", "gemm1_beta",
-                 "gemm1_clamp_limit", "adapter_ids", "gate_up_lora_delta", "activation_out", "y", "workspace"},
-             "moe");
-  Keep keep;
+// The MoeArgs of one call from the Python layer's arguments (tensors kept alive in `keep`).
+MoeArgs make_moe_args(const nb::dict& t, Keep& keep, int routing_method, int64_t top_k, int64_t n_group,
+                      int64_t topk_group, float routed_scaling_factor, int activation, int64_t num_experts_total,
+                      int64_t local_expert_offset, int mode, float fc1_input_scale, float fc2_input_scale,
+                      bool per_token_x_scale, const MoeWeights* shared_expert, float shared_alpha, float shared_beta,
+                      float shared_clamp_limit, bool shared_params_given, const AdapterRegistry* adapters,
+                      uintptr_t stream, int precision, int num_threads) {
   MoeArgs a;
   a.x = get(t, "x", keep);
   a.routing.method = static_cast<RoutingMethod>(routing_method);
@@ -327,8 +325,45 @@ void py_moe_run(const MoeWeights& weights, const nb::dict& t, int routing_method
   a.stream = reinterpret_cast<void*>(stream);
   a.precision = static_cast<Precision>(precision);
   a.num_threads = num_threads;
+  return a;
+}
+
+#define FP4MOE_MOE_PARAMS                                                                                          \
+  int routing_method, int64_t top_k, int64_t n_group, int64_t topk_group, float routed_scaling_factor,            \
+      int activation, int64_t num_experts_total, int64_t local_expert_offset, int mode, float fc1_input_scale,   \
+      float fc2_input_scale, bool per_token_x_scale, const MoeWeights *shared_expert, float shared_alpha,         \
+      float shared_beta, float shared_clamp_limit, bool shared_params_given, const AdapterRegistry *adapters,     \
+      uintptr_t stream, int precision, int num_threads
+#define FP4MOE_MOE_ARGS                                                                                            \
+  routing_method, top_k, n_group, topk_group, routed_scaling_factor, activation, num_experts_total,              \
+      local_expert_offset, mode, fc1_input_scale, fc2_input_scale, per_token_x_scale, shared_expert, shared_alpha, \
+      shared_beta, shared_clamp_limit, shared_params_given, adapters, stream, precision, num_threads
+
+void py_moe_run(const MoeWeights& weights, const nb::dict& t, FP4MOE_MOE_PARAMS) {
+  check_keys(t, {"x", "routing_logits", "routing_bias", "topk_ids", "topk_weights", "gemm1_alpha", "gemm1_beta",
+                 "gemm1_clamp_limit", "adapter_ids", "gate_up_lora_delta", "activation_out", "y", "workspace"},
+             "moe");
+  Keep keep;
+  MoeArgs a = make_moe_args(t, keep, FP4MOE_MOE_ARGS);
   nb::gil_scoped_release release;
   moe_run(weights, a);
+}
+
+// moe_run_tp ("tp") / moe_run_ep ("ep") over a communicator (include/fp4moe/parallel.h).
+void py_moe_run_parallel(const std::string& kind, NcclGroupComm& comm, int output, const MoeWeights& weights,
+                         const nb::dict& t, FP4MOE_MOE_PARAMS) {
+  if (kind != "tp" && kind != "ep") bad("kind", "expected 'tp' or 'ep', got '" + kind + "'");
+  check_keys(t, {"x", "routing_logits", "routing_bias", "topk_ids", "topk_weights", "gemm1_alpha", "gemm1_beta",
+                 "gemm1_clamp_limit", "adapter_ids", "gate_up_lora_delta", "activation_out", "y", "workspace",
+                 "parallel_workspace"},
+             kind == "tp" ? "moe_tp" : "moe_ep");
+  Keep keep;
+  MoeArgs a = make_moe_args(t, keep, FP4MOE_MOE_ARGS);
+  const TensorView pws = get(t, "parallel_workspace", keep, /*writable=*/true);
+  Communicator& c = comm.comm();
+  nb::gil_scoped_release release;
+  if (kind == "tp") moe_run_tp(weights, a, c, static_cast<ParallelOutput>(output), pws);
+  else moe_run_ep(weights, a, c, static_cast<ParallelOutput>(output), pws);
 }
 
 void py_route(const nb::dict& t, int method, int64_t top_k, int64_t n_group, int64_t topk_group,
@@ -521,6 +556,45 @@ NB_MODULE(_C, m) {
         nb::arg("shared_alpha"), nb::arg("shared_beta"), nb::arg("shared_clamp_limit"),
         nb::arg("shared_params_given"), nb::arg("adapters").none(), nb::arg("stream"), nb::arg("precision"),
         nb::arg("num_threads"));
+  // ---- multi-GPU (fp4moe.distributed) ----
+  m.def("nccl_available", &nccl_available, "Whether this build has the NCCL path and libnccl could be opened.");
+  m.def("nccl_unavailable_reason", &nccl_unavailable_reason);
+  m.def("nccl_unique_id", [] {
+    std::vector<uint8_t> id;
+    {
+      nb::gil_scoped_release release;
+      id = nccl_unique_id();
+    }
+    return nb::bytes(reinterpret_cast<const char*>(id.data()), id.size());
+  }, "A new ncclUniqueId (128 bytes); raises Unsupported without NCCL.");
+  nb::class_<NcclGroupComm>(m, "NcclComm", "An NCCL communicator of one rank (ncclCommInitRank; destroyed with the object).")
+      .def("__init__", [](NcclGroupComm* self, nb::bytes unique_id, int world, int rank, int device) {
+             std::vector<uint8_t> id(static_cast<const uint8_t*>(unique_id.data()),
+                                     static_cast<const uint8_t*>(unique_id.data()) + unique_id.size());
+             nb::gil_scoped_release release;  // ncclCommInitRank waits for the other ranks
+             new (self) NcclGroupComm(id, world, rank, device);
+           },
+           nb::arg("unique_id"), nb::arg("world"), nb::arg("rank"), nb::arg("device"))
+      .def_prop_ro("rank", &NcclGroupComm::rank)
+      .def_prop_ro("world", &NcclGroupComm::world)
+      .def_prop_ro("device", &NcclGroupComm::device)
+      .def_prop_ro("nccl_comm", [](const NcclGroupComm& c) { return reinterpret_cast<uintptr_t>(c.nccl_comm()); })
+      .def("destroy", &NcclGroupComm::destroy, nb::call_guard<nb::gil_scoped_release>());
+  m.def("moe_run_parallel", &py_moe_run_parallel, nb::arg("kind"), nb::arg("comm"), nb::arg("output"),
+        nb::arg("weights"), nb::arg("tensors"), nb::arg("routing_method"), nb::arg("top_k"), nb::arg("n_group"),
+        nb::arg("topk_group"), nb::arg("routed_scaling_factor"), nb::arg("activation"), nb::arg("num_experts_total"),
+        nb::arg("local_expert_offset"), nb::arg("mode"), nb::arg("fc1_input_scale"), nb::arg("fc2_input_scale"),
+        nb::arg("per_token_x_scale"), nb::arg("shared_expert").none(), nb::arg("shared_alpha"), nb::arg("shared_beta"),
+        nb::arg("shared_clamp_limit"), nb::arg("shared_params_given"), nb::arg("adapters").none(), nb::arg("stream"),
+        nb::arg("precision"), nb::arg("num_threads"));
+  m.def("parallel_workspace_size", [](int64_t T, int64_t H, int world, int output) {
+    return parallel_workspace_size(T, H, world, static_cast<ParallelOutput>(output));
+  }, nb::arg("num_tokens"), nb::arg("hidden"), nb::arg("world"), nb::arg("output") = 0);
+  m.def("expert_window", [](int64_t E, int rank, int world) {
+    const ExpertWindow w = expert_window(E, rank, world);
+    return std::make_pair(w.offset, w.count);
+  }, nb::arg("num_experts_total"), nb::arg("rank"), nb::arg("world"));
+
   m.def("route", &py_route, nb::arg("tensors"), nb::arg("routing_method"), nb::arg("top_k"), nb::arg("n_group"),
         nb::arg("topk_group"), nb::arg("routed_scaling_factor"), nb::arg("num_experts_total"));
   m.def("check_device_errors", &check_device_errors, nb::arg("device_id") = 0,

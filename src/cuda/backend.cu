@@ -187,6 +187,9 @@ void check_device_errors(int device_id) {
   if (v == kErrAdapterIds)
     throw Error(ErrorCode::DeviceFault, "adapter_ids",
                 "an adapter id on the GPU was not -1 nor a loaded slot of the registry; that token ran without LoRA");
+  if (v == kErrParallelPeer)
+    throw Error(ErrorCode::DeviceFault, "comm",
+                "another rank of a parallel call (moe_run_tp / moe_run_ep) failed; this rank's y was left untouched");
   throw Error(ErrorCode::DeviceFault, "", "internal: the permutation produced more tiles than planned (code " +
                                               std::to_string(v) + ")");
 }
@@ -482,7 +485,10 @@ void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& a
   const int64_t T = s.T, H = s.H, I = s.I, k = s.k, N1 = plan.n1, E_total = s.E_total;
   const bool a4 = s.mode == ActMode::A4;
   const auto* x = static_cast<const uint16_t*>(args.x.data);
-  auto* y = static_cast<uint16_t*>(args.y.data);
+  // y: bf16 (one rounding in the combine) or f32 (the unrounded sum; moe_run_tp / moe_run_ep partials).
+  const bool y_f32 = args.y.dtype == DType::F32;
+  auto* y = y_f32 ? nullptr : static_cast<uint16_t*>(args.y.data);
+  auto* yf = y_f32 ? static_cast<float*>(args.y.data) : nullptr;
   const act::Params defaults = act::resolve_params(s.activation, false, 0.f, false, 0.f, false, 0.f);
   const act::Params shared_params =
       args.shared_params_given
@@ -750,13 +756,14 @@ void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& a
                    static_cast<int>(plan.shared_m_tiles), stream);
     }
 
-    // 8. Combine in slot order, + shared, one bf16 rounding.
+    // 8. Combine in slot order, + shared, one bf16 rounding (none for an f32 y).
     CombineParams cp;
     cp.ids = ids;
     cp.weights = wts;
     cp.out = out_buf;
     cp.shared_out = sw ? shared_out : nullptr;
-    cp.y = y + t0 * H;
+    cp.y = y_f32 ? nullptr : y + t0 * H;
+    cp.y_f32 = y_f32 ? yf + t0 * H : nullptr;
     cp.T = tc;
     cp.k = static_cast<int>(k);
     cp.H = static_cast<int>(H);

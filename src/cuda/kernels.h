@@ -204,7 +204,8 @@ struct CombineParams {
   const float* weights = nullptr;
   const float* out = nullptr;    // [T*k, H]
   const float* shared_out = nullptr;  // [T, H] or null
-  uint16_t* y = nullptr;         // bf16 [T, H]
+  uint16_t* y = nullptr;         // bf16 [T, H] (one rounding), or null when y_f32 is given
+  float* y_f32 = nullptr;        // f32 [T, H]: the same sum, not rounded (args.y float32; parallel partials)
   int T = 0, k = 0, H = 0, E_loc = 0, local_offset = 0;
   int blocks_per_token = 0, threads = 0;
   // SharedOuter down LoRA: z = sum_j w_j t2[t*k + j] (local slots, slot order), dy = bf16(bf16(z) . B2^T),
@@ -232,8 +233,9 @@ void check_cuda(cudaError_t e, const char* what);
 // The last launch's error (cudaGetLastError), checked.
 void check_launch(const char* kernel);
 // The per-device error flag buffer (allocated on first use). Codes: 1 routing.topk_ids out of range,
-// 2 internal (more tiles than planned), 3 adapter_ids out of range or naming an empty slot.
+// 2 internal (more tiles than planned), 3 adapter_ids out of range or naming an empty slot, 4 another rank of a
+// parallel call (moe_run_tp / moe_run_ep) failed: this rank's y was left untouched.
 int* device_error_flag(int device_id);
-constexpr int kErrTopkIds = 1, kErrTiles = 2, kErrAdapterIds = 3;
+constexpr int kErrTopkIds = 1, kErrTiles = 2, kErrAdapterIds = 3, kErrParallelPeer = 4;
 
 }  // namespace fp4moe::cuda_backend

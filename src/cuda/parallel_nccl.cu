@@ -10,8 +10,13 @@
 #include <dlfcn.h>
 #include <nccl.h>
 
+#include <sys/stat.h>
+
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <mutex>
+#include <vector>
 #include <type_traits>
 #include <string>
 
@@ -24,6 +29,12 @@ namespace {
 struct NcclApi {
   bool ok = false;
   std::string why;
+  std::string path;  // what was opened
+  ncclResult_t (*GetUniqueId)(ncclUniqueId*) = nullptr;
+  ncclResult_t (*CommInitRank)(ncclComm_t*, int, ncclUniqueId, int) = nullptr;
+  ncclResult_t (*CommDestroy)(ncclComm_t) = nullptr;
+  ncclResult_t (*CommCuDevice)(const ncclComm_t, int*) = nullptr;
+  ncclResult_t (*GetVersion)(int*) = nullptr;
   ncclResult_t (*AllGather)(const void*, void*, size_t, ncclDataType_t, ncclComm_t, cudaStream_t) = nullptr;
   ncclResult_t (*Send)(const void*, size_t, ncclDataType_t, int, ncclComm_t, cudaStream_t) = nullptr;
   ncclResult_t (*Recv)(void*, size_t, ncclDataType_t, int, ncclComm_t, cudaStream_t) = nullptr;
@@ -38,11 +49,36 @@ const NcclApi& nccl_api() {
   static NcclApi api;
   static std::once_flag once;
   std::call_once(once, [] {
-    void* h = dlopen("libnccl.so.2", RTLD_NOW | RTLD_GLOBAL);
-    if (!h) h = dlopen("libnccl.so", RTLD_NOW | RTLD_GLOBAL);
-    if (!h) {
+    // FP4MOE_NCCL_LIBRARY first (a file, or a folder with libnccl.so.2: PyTorch's nvidia-nccl pip package
+    // keeps it in site-packages/nvidia/nccl/lib, which is not on the loader's path), then the search path.
+    std::vector<std::string> tried;
+    void* h = nullptr;
+    std::string errors;
+    auto attempt = [&](const std::string& name) {
+      if (h || name.empty()) return;
+      h = dlopen(name.c_str(), RTLD_NOW | RTLD_GLOBAL);
+      if (h) {
+        api.path = name;
+        return;
+      }
       const char* e = dlerror();
-      api.why = std::string("libnccl.so.2 could not be loaded: ") + (e ? e : "unknown error");
+      errors += "\n  " + name + ": " + (e ? e : "unknown error");
+    };
+    if (const char* env = std::getenv("FP4MOE_NCCL_LIBRARY"); env && *env) {
+      std::string p = env;
+      struct stat st {};
+      if (stat(p.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) {
+        attempt(p + "/libnccl.so.2");
+        attempt(p + "/libnccl.so");
+      } else {
+        attempt(p);
+      }
+    }
+    attempt("libnccl.so.2");
+    attempt("libnccl.so");
+    if (!h) {
+      api.why = "libnccl.so.2 could not be loaded (set FP4MOE_NCCL_LIBRARY to the file or to its folder, e.g. "
+                "site-packages/nvidia/nccl/lib of the nvidia-nccl pip package):" + errors;
       return;
     }
     auto sym = [&](auto& fn, const char* name) {
@@ -57,6 +93,11 @@ const NcclApi& nccl_api() {
     sym(api.CommCount, "ncclCommCount");
     sym(api.CommUserRank, "ncclCommUserRank");
     sym(api.GetErrorString, "ncclGetErrorString");
+    sym(api.GetUniqueId, "ncclGetUniqueId");
+    sym(api.CommInitRank, "ncclCommInitRank");
+    sym(api.CommDestroy, "ncclCommDestroy");
+    sym(api.CommCuDevice, "ncclCommCuDevice");
+    sym(api.GetVersion, "ncclGetVersion");
     api.ok = api.why.empty();
   });
   return api;
@@ -70,6 +111,24 @@ void cuda_check(cudaError_t r, const char* what) {
   if (r == cudaErrorMemoryAllocation) throw Error(ErrorCode::OutOfMemory, "", std::string(what) + ": out of memory");
   if (r != cudaSuccess) throw Error(ErrorCode::CudaError, "", std::string(what) + ": " + cudaGetErrorString(r));
 }
+
+// Makes the communicator's device current for a collective (NCCL enqueues on the current device's context).
+class CommDevice {
+ public:
+  explicit CommDevice(int dev) {
+    if (dev < 0 || cudaGetDevice(&prev_) != cudaSuccess) return;
+    if (prev_ != dev && cudaSetDevice(dev) == cudaSuccess) restore_ = true;
+  }
+  ~CommDevice() {
+    if (restore_) (void)cudaSetDevice(prev_);
+  }
+  CommDevice(const CommDevice&) = delete;
+  CommDevice& operator=(const CommDevice&) = delete;
+
+ private:
+  int prev_ = -1;
+  bool restore_ = false;
+};
 
 // out[i] = ((in[0][i] + in[1][i]) + in[2][i]) + ...: rank order, one thread per element, no atomics.
 __global__ void rank_order_sum(const float* __restrict__ in, int world, long long count, float* __restrict__ out) {
@@ -86,6 +145,7 @@ class NcclCommunicator final : public Communicator {
   NcclCommunicator(ncclComm_t comm, cudaStream_t stream) : comm_(comm), stream_(stream) {
     nccl_check(nccl_api().CommCount(comm_, &world_), "ncclCommCount");
     nccl_check(nccl_api().CommUserRank(comm_, &rank_), "ncclCommUserRank");
+    nccl_check(nccl_api().CommCuDevice(comm_, &device_), "ncclCommCuDevice");
   }
   ~NcclCommunicator() override {
     if (scratch_) cudaFree(scratch_);
@@ -93,8 +153,12 @@ class NcclCommunicator final : public Communicator {
   int rank() const override { return rank_; }
   int world() const override { return world_; }
   Backend device() const override { return Backend::CUDA; }
+  void* stream() const override { return stream_; }
+  void set_stream(void* stream) override { stream_ = static_cast<cudaStream_t>(stream); }
+  int cuda_device() const override { return device_; }
 
   void allreduce_sum_f32(float* data, int64_t count) override {
+    CommDevice dev_scope(device_);
     check_count(count, data);
     if (count == 0) return;
     float* all = scratch(static_cast<size_t>(world_) * count);
@@ -102,11 +166,13 @@ class NcclCommunicator final : public Communicator {
     launch_sum(all, count, data);
   }
   void allgather(const void* in, void* out, int64_t bytes) override {
+    CommDevice dev_scope(device_);
     if (bytes < 0) throw Error(ErrorCode::InvalidArgument, "bytes", "expected >= 0");
     if (bytes == 0) return;
     nccl_check(nccl_api().AllGather(in, out, static_cast<size_t>(bytes), ncclUint8, comm_, stream_), "ncclAllGather");
   }
   void reduce_scatter_sum_f32(const float* in, float* out, int64_t count) override {
+    CommDevice dev_scope(device_);
     check_count(count, out);
     if (count == 0) return;
     // Chunk `rank_` of every rank's `in`, gathered in rank order, then summed in rank order.
@@ -122,7 +188,21 @@ class NcclCommunicator final : public Communicator {
     nccl_check(n.GroupEnd(), "ncclGroupEnd");
     launch_sum(mine, count, out);
   }
+  void alltoall(const void* in, void* out, int64_t bytes_per_rank) override {
+    CommDevice dev_scope(device_);
+    if (bytes_per_rank < 0) throw Error(ErrorCode::InvalidArgument, "bytes_per_rank", "expected >= 0");
+    if (bytes_per_rank == 0) return;
+    const NcclApi& n = nccl_api();
+    const size_t b = static_cast<size_t>(bytes_per_rank);
+    nccl_check(n.GroupStart(), "ncclGroupStart");
+    for (int q = 0; q < world_; ++q) {
+      nccl_check(n.Send(static_cast<const uint8_t*>(in) + q * b, b, ncclUint8, q, comm_, stream_), "ncclSend");
+      nccl_check(n.Recv(static_cast<uint8_t*>(out) + q * b, b, ncclUint8, q, comm_, stream_), "ncclRecv");
+    }
+    nccl_check(n.GroupEnd(), "ncclGroupEnd");
+  }
   void barrier() override {
+    CommDevice dev_scope(device_);
     float* s = scratch(static_cast<size_t>(world_) + 1);
     nccl_check(nccl_api().AllGather(s + world_, s, 1, ncclFloat32, comm_, stream_), "ncclAllGather");
     cuda_check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
@@ -156,7 +236,7 @@ class NcclCommunicator final : public Communicator {
 
   ncclComm_t comm_;
   cudaStream_t stream_;
-  int rank_ = 0, world_ = 1;
+  int rank_ = 0, world_ = 1, device_ = -1;
   float* scratch_ = nullptr;
   size_t scratch_n_ = 0;
 };
@@ -171,6 +251,72 @@ std::unique_ptr<Communicator> make_nccl_communicator(void* nccl_comm, void* stre
 }
 
 bool nccl_available() { return nccl_api().ok; }
+std::string nccl_unavailable_reason() { return nccl_api().ok ? std::string() : nccl_api().why; }
+
+std::vector<uint8_t> nccl_unique_id() {
+  static_assert(sizeof(ncclUniqueId) == kNcclUniqueIdBytes, "ncclUniqueId size");
+  const NcclApi& api = nccl_api();
+  if (!api.ok) throw Error(ErrorCode::Unsupported, "nccl", api.why);
+  ncclUniqueId id;
+  nccl_check(api.GetUniqueId(&id), "ncclGetUniqueId");
+  std::vector<uint8_t> out(kNcclUniqueIdBytes);
+  std::memcpy(out.data(), &id, kNcclUniqueIdBytes);
+  return out;
+}
+
+Communicator& NcclGroupComm::comm() {
+  if (!comm_) throw Error(ErrorCode::InvalidArgument, "comm", "the NCCL communicator was destroyed");
+  return *comm_;
+}
+
+NcclGroupComm::NcclGroupComm(const std::vector<uint8_t>& unique_id, int world, int rank, int device, void* stream)
+    : device_(device), rank_(rank), world_(world) {
+  const NcclApi& api = nccl_api();
+  if (!api.ok) throw Error(ErrorCode::Unsupported, "nccl", api.why);
+  if (unique_id.size() != kNcclUniqueIdBytes)
+    throw Error(ErrorCode::InvalidArgument, "unique_id",
+                "expected " + std::to_string(kNcclUniqueIdBytes) + " bytes (an ncclUniqueId), got " +
+                    std::to_string(unique_id.size()));
+  if (world < 1) throw Error(ErrorCode::InvalidArgument, "world", "expected >= 1, got " + std::to_string(world));
+  if (rank < 0 || rank >= world)
+    throw Error(ErrorCode::InvalidArgument, "rank",
+                "expected in [0, world=" + std::to_string(world) + "), got " + std::to_string(rank));
+  int count = 0;
+  cuda_check(cudaGetDeviceCount(&count), "cudaGetDeviceCount");
+  if (device < 0 || device >= count)
+    throw Error(ErrorCode::InvalidArgument, "device",
+                "expected a CUDA device in [0, " + std::to_string(count) + "), got " + std::to_string(device));
+  ncclUniqueId id;
+  std::memcpy(&id, unique_id.data(), kNcclUniqueIdBytes);
+  int prev = 0;
+  cuda_check(cudaGetDevice(&prev), "cudaGetDevice");
+  cuda_check(cudaSetDevice(device), "cudaSetDevice");
+  ncclComm_t c = nullptr;
+  const ncclResult_t r = api.CommInitRank(&c, world, id, rank);
+  (void)cudaSetDevice(prev);
+  nccl_check(r, "ncclCommInitRank");
+  nccl_comm_ = c;
+  try {
+    comm_ = std::make_unique<NcclCommunicator>(c, static_cast<cudaStream_t>(stream));
+  } catch (...) {
+    (void)api.CommDestroy(c);
+    nccl_comm_ = nullptr;
+    throw;
+  }
+}
+
+void NcclGroupComm::destroy() {
+  if (!nccl_comm_) return;
+  comm_.reset();  // frees the communicator's scratch first
+  int prev = 0;
+  const bool have = cudaGetDevice(&prev) == cudaSuccess;
+  if (have && prev != device_) (void)cudaSetDevice(device_);
+  (void)nccl_api().CommDestroy(static_cast<ncclComm_t>(nccl_comm_));
+  if (have && prev != device_) (void)cudaSetDevice(prev);
+  nccl_comm_ = nullptr;
+}
+
+NcclGroupComm::~NcclGroupComm() { destroy(); }
 
 }  // namespace fp4moe
 #endif  // FP4MOE_WITH_NCCL

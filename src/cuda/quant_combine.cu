@@ -49,8 +49,9 @@ __global__ void quantize_kernel(QuantizeParams p) {
   }
 }
 
-// y_t = sum_j w_tj o_tj in slot order (+ shared), fp32 multiply then add (no FMA, as the reference),
-// rounded once to bf16. One thread per 4 outputs of a token.
+// y_t = sum_j w_tj o_tj in slot order (+ shared, + SharedOuter down delta), fp32 multiply then add (no FMA,
+// as the reference), rounded once to bf16, or written as the fp32 sum (y_f32: float32 y, no rounding, as the
+// reference's float32 y). One thread per 4 outputs of a token.
 __global__ void combine_kernel(CombineParams p) {
   const int64_t gid = static_cast<int64_t>(blockIdx.x);
   const int t = static_cast<int>(gid / p.blocks_per_token);
@@ -111,6 +112,12 @@ __global__ void combine_kernel(CombineParams p) {
     float d = 0.f;
     for (int i = 0; i < r2; ++i) d = __fadd_rn(d, __fmul_rn(s_z[i], dev::bf16_to_f32(brow[i])));
     dy[q] = dev::bf16_to_f32(dev::f32_to_bf16(d));
+  }
+  if (p.y_f32) {
+    float* y = p.y_f32 + static_cast<int64_t>(t) * p.H + h;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) y[i] = __fadd_rn(acc[i], dy[i]);
+    return;
   }
   uint16_t* y = p.y + static_cast<int64_t>(t) * p.H + h;
 #pragma unroll

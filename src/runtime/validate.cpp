@@ -126,8 +126,12 @@ CallShape validate_moe_args(const MoeWeights& weights, const MoeArgs& a, const A
 
   // Output.
   if (!a.y.present()) fail("y", "is required but absent");
-  const bool y_ok = a.y.dtype == DType::BF16 || (dev == Backend::CPU && (a.y.dtype == DType::F32 || a.y.dtype == DType::F64));
-  if (!y_ok) fail("y", std::string("expected bfloat16 (the CPU reference also takes float32/float64), got ") + to_string(a.y.dtype));
+  // bf16: the sum rounded once. float32 (both backends): the same fp32 sum, not rounded (moe_run_tp / moe_run_ep
+  // run their local operator into such a partial). float64: the CPU reference only.
+  const bool y_ok = a.y.dtype == DType::BF16 || a.y.dtype == DType::F32 || (dev == Backend::CPU && a.y.dtype == DType::F64);
+  if (!y_ok)
+    fail("y", std::string("expected bfloat16 or float32") + (dev == Backend::CPU ? " (or float64 on the CPU)" : "") +
+                  ", got " + to_string(a.y.dtype));
   expect(a.y, "y", a.y.dtype, {s.T, s.H}, dev, dev_id);
   if (overlaps(a.x, a.y)) fail("y", "overlaps x; the output must not alias an input");
 
