@@ -65,116 +65,146 @@ __device__ __forceinline__ float lora_delta(const LoraRow& lr, int n) {
   return dev::bf16_to_f32(dev::f32_to_bf16(acc));
 }
 
+// The epilogues work on pairs of adjacent outputs (col even, col + 1) of one row, so that every kernel
+// (the mma.sync tile below, the weights-as-A tile of gemm_skinny.cuh) shares one arithmetic per output:
+// expert_ctx once per tile, row_ctx once per row, pair per two columns (raw fp32 accumulators in).
 struct Epilogue1 {
   using Params = Epilogue1Params;
-  template <class Cfg, class Act>
-  __device__ __forceinline__ static void apply(const Params& p, const GemmProblem& g, const MainLoop<Cfg>& ml,
-                                               const TileRows& tr, int n0) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int wm = warp / Cfg::WARPS_N, wn = warp % Cfg::WARPS_N;
-    const int e = tr.expert;
-    act::Params prm = p.defaults;
-    if (p.alpha) prm.alpha = p.alpha[e];
-    if (p.beta) prm.beta = p.beta[e];
-    if (p.limit) { prm.limit = p.limit[e]; prm.has_limit = isfinite(prm.limit); }
-    const float s_even = p.s_even[e];
-    const float s_odd = kGatedAct<Act> ? p.s_odd[e] : s_even;
-#pragma unroll
-    for (int mt = 0; mt < Cfg::MT; ++mt)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int r = tr.row0 + wm * Cfg::WTM + mt * 16 + (lane >> 2) + half * 8;
-        if (r >= tr.row_end) continue;
-        const int entry = entry_of(g, r);
-        const int token = entry / p.token_div;
-        const float rs = p.row_scale ? p.row_scale[token] : 1.f;
-        const float a_even = __fmul_rn(s_even, rs), a_odd = __fmul_rn(s_odd, rs);
-        const LoraRow lr = lora_row(p.lora, token, entry, e, p.token_div, p.N1);
-#pragma unroll
-        for (int nt = 0; nt < Cfg::NT; ++nt) {
-          const int col = n0 + wn * Cfg::WTN + nt * 8 + 2 * (lane & 3);
-          if (col >= p.N1) continue;
-          float h0 = __fmul_rn(ml.acc[mt][nt][2 * half], a_even);
-          float h1 = __fmul_rn(ml.acc[mt][nt][2 * half + 1], a_odd);
-          if (p.bias) {
-            h0 = __fadd_rn(h0, p.bias[static_cast<int64_t>(e) * p.N1 + col]);
-            h1 = __fadd_rn(h1, p.bias[static_cast<int64_t>(e) * p.N1 + col + 1]);
-          }
-          if constexpr (kGatedAct<Act>) {
-            const int j = col >> 1;
-            float dg = 0.f, du = 0.f;
-            if (p.delta) {
-              const uint16_t* d = p.delta + static_cast<int64_t>(entry) * p.N1;
-              dg = dev::bf16_to_f32(d[p.gate_first ? j : p.I + j]);
-              du = dev::bf16_to_f32(d[p.gate_first ? p.I + j : j]);
-            }
-            h0 = __fadd_rn(h0, dg);
-            h1 = __fadd_rn(h1, du);
-            // The LoRA delta, always added (+0 for base rows): B1 rows are in the weights' half order.
-            h0 = __fadd_rn(h0, lora_delta(lr, p.gate_first ? j : p.I + j));
-            h1 = __fadd_rn(h1, lora_delta(lr, p.gate_first ? p.I + j : j));
-            const uint16_t a = dev::f32_to_bf16(Act::apply(h0, h1, prm));
-            p.out[static_cast<int64_t>(r) * p.I + j] = a;
-            if (p.act_out) p.act_out[static_cast<int64_t>(entry) * p.I + j] = a;
-          } else {
-            float d0 = 0.f, d1 = 0.f;
-            if (p.delta) {
-              const uint16_t* d = p.delta + static_cast<int64_t>(entry) * p.N1;
-              d0 = dev::bf16_to_f32(d[col]);
-              d1 = dev::bf16_to_f32(d[col + 1]);
-            }
-            h0 = __fadd_rn(h0, d0);
-            h1 = __fadd_rn(h1, d1);
-            h0 = __fadd_rn(h0, lora_delta(lr, col));
-            h1 = __fadd_rn(h1, lora_delta(lr, col + 1));
-            const uint32_t a = static_cast<uint32_t>(dev::f32_to_bf16(Act::apply(h0, 0.f, prm))) |
-                               (static_cast<uint32_t>(dev::f32_to_bf16(Act::apply(h1, 0.f, prm))) << 16);
-            *reinterpret_cast<uint32_t*>(p.out + static_cast<int64_t>(r) * p.I + col) = a;
-            if (p.act_out) {  // the caller's tensor may be only 2-byte aligned
-              p.act_out[static_cast<int64_t>(entry) * p.I + col] = static_cast<uint16_t>(a & 0xffffu);
-              p.act_out[static_cast<int64_t>(entry) * p.I + col + 1] = static_cast<uint16_t>(a >> 16);
-            }
-          }
-        }
+  struct ExpertCtx {
+    act::Params prm;
+    float s_even, s_odd;
+    int e;
+  };
+  struct RowCtx {
+    int r, entry;
+    float a_even, a_odd;
+    LoraRow lr;
+  };
+  template <class Act> __device__ __forceinline__ static ExpertCtx expert_ctx(const Params& p, int e) {
+    ExpertCtx x;
+    x.e = e;
+    x.prm = p.defaults;
+    if (p.alpha) x.prm.alpha = p.alpha[e];
+    if (p.beta) x.prm.beta = p.beta[e];
+    if (p.limit) { x.prm.limit = p.limit[e]; x.prm.has_limit = isfinite(x.prm.limit); }
+    x.s_even = p.s_even[e];
+    x.s_odd = kGatedAct<Act> ? p.s_odd[e] : x.s_even;
+    return x;
+  }
+  __device__ __forceinline__ static RowCtx row_ctx(const Params& p, const GemmProblem& g, const ExpertCtx& x, int r) {
+    RowCtx rc;
+    rc.r = r;
+    rc.entry = entry_of(g, r);
+    const int token = rc.entry / p.token_div;
+    const float rs = p.row_scale ? p.row_scale[token] : 1.f;
+    rc.a_even = __fmul_rn(x.s_even, rs);
+    rc.a_odd = __fmul_rn(x.s_odd, rs);
+    rc.lr = lora_row(p.lora, token, rc.entry, x.e, p.token_div, p.N1);
+    return rc;
+  }
+  template <class Act>
+  __device__ __forceinline__ static void pair(const Params& p, const ExpertCtx& x, const RowCtx& rc, int col, float c0,
+                                              float c1) {
+    if (col >= p.N1) return;
+    const int e = x.e, r = rc.r, entry = rc.entry;
+    float h0 = __fmul_rn(c0, rc.a_even);
+    float h1 = __fmul_rn(c1, rc.a_odd);
+    if (p.bias) {
+      h0 = __fadd_rn(h0, p.bias[static_cast<int64_t>(e) * p.N1 + col]);
+      h1 = __fadd_rn(h1, p.bias[static_cast<int64_t>(e) * p.N1 + col + 1]);
+    }
+    if constexpr (kGatedAct<Act>) {
+      const int j = col >> 1;
+      float dg = 0.f, du = 0.f;
+      if (p.delta) {
+        const uint16_t* d = p.delta + static_cast<int64_t>(entry) * p.N1;
+        dg = dev::bf16_to_f32(d[p.gate_first ? j : p.I + j]);
+        du = dev::bf16_to_f32(d[p.gate_first ? p.I + j : j]);
       }
+      h0 = __fadd_rn(h0, dg);
+      h1 = __fadd_rn(h1, du);
+      // The LoRA delta, always added (+0 for base rows): B1 rows are in the weights' half order.
+      h0 = __fadd_rn(h0, lora_delta(rc.lr, p.gate_first ? j : p.I + j));
+      h1 = __fadd_rn(h1, lora_delta(rc.lr, p.gate_first ? p.I + j : j));
+      const uint16_t a = dev::f32_to_bf16(Act::apply(h0, h1, x.prm));
+      p.out[static_cast<int64_t>(r) * p.I + j] = a;
+      if (p.act_out) p.act_out[static_cast<int64_t>(entry) * p.I + j] = a;
+    } else {
+      float d0 = 0.f, d1 = 0.f;
+      if (p.delta) {
+        const uint16_t* d = p.delta + static_cast<int64_t>(entry) * p.N1;
+        d0 = dev::bf16_to_f32(d[col]);
+        d1 = dev::bf16_to_f32(d[col + 1]);
+      }
+      h0 = __fadd_rn(h0, d0);
+      h1 = __fadd_rn(h1, d1);
+      h0 = __fadd_rn(h0, lora_delta(rc.lr, col));
+      h1 = __fadd_rn(h1, lora_delta(rc.lr, col + 1));
+      const uint32_t a = static_cast<uint32_t>(dev::f32_to_bf16(Act::apply(h0, 0.f, x.prm))) |
+                         (static_cast<uint32_t>(dev::f32_to_bf16(Act::apply(h1, 0.f, x.prm))) << 16);
+      *reinterpret_cast<uint32_t*>(p.out + static_cast<int64_t>(r) * p.I + col) = a;
+      if (p.act_out) {  // the caller's tensor may be only 2-byte aligned
+        p.act_out[static_cast<int64_t>(entry) * p.I + col] = static_cast<uint16_t>(a & 0xffffu);
+        p.act_out[static_cast<int64_t>(entry) * p.I + col + 1] = static_cast<uint16_t>(a >> 16);
+      }
+    }
   }
 };
 
 struct Epilogue2 {
   using Params = Epilogue2Params;
-  template <class Cfg, class Act>
-  __device__ __forceinline__ static void apply(const Params& p, const GemmProblem& g, const MainLoop<Cfg>& ml,
-                                               const TileRows& tr, int n0) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int wm = warp / Cfg::WARPS_N, wn = warp % Cfg::WARPS_N;
-    const int e = tr.expert;
-    const float s = __fmul_rn(p.s2[e], p.in_scale);
-#pragma unroll
-    for (int mt = 0; mt < Cfg::MT; ++mt)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int r = tr.row0 + wm * Cfg::WTM + mt * 16 + (lane >> 2) + half * 8;
-        if (r >= tr.row_end) continue;
-        const int entry = entry_of(g, r);
-        float* orow = p.out + static_cast<int64_t>(entry) * p.H;
-        const LoraRow lr = lora_row(p.lora, entry / p.token_div, entry, e, p.token_div, p.H);
-#pragma unroll
-        for (int nt = 0; nt < Cfg::NT; ++nt) {
-          const int col = n0 + wn * Cfg::WTN + nt * 8 + 2 * (lane & 3);
-          if (col >= p.H) continue;
-          float o0 = __fmul_rn(ml.acc[mt][nt][2 * half], s);
-          float o1 = __fmul_rn(ml.acc[mt][nt][2 * half + 1], s);
-          if (p.bias) {
-            o0 = __fadd_rn(o0, p.bias[static_cast<int64_t>(e) * p.H + col]);
-            o1 = __fadd_rn(o1, p.bias[static_cast<int64_t>(e) * p.H + col + 1]);
-          }
-          // The down LoRA delta, always added (+0 for base rows, which turns -0 into +0 as the reference).
-          *reinterpret_cast<float2*>(orow + col) =
-              make_float2(__fadd_rn(o0, lora_delta(lr, col)), __fadd_rn(o1, lora_delta(lr, col + 1)));
-        }
-      }
+  struct ExpertCtx {
+    float s;
+    int e;
+  };
+  struct RowCtx {
+    float* orow;
+    LoraRow lr;
+  };
+  template <class Act> __device__ __forceinline__ static ExpertCtx expert_ctx(const Params& p, int e) {
+    return ExpertCtx{__fmul_rn(p.s2[e], p.in_scale), e};
+  }
+  __device__ __forceinline__ static RowCtx row_ctx(const Params& p, const GemmProblem& g, const ExpertCtx& x, int r) {
+    const int entry = entry_of(g, r);
+    return RowCtx{p.out + static_cast<int64_t>(entry) * p.H, lora_row(p.lora, entry / p.token_div, entry, x.e, p.token_div, p.H)};
+  }
+  template <class Act>
+  __device__ __forceinline__ static void pair(const Params& p, const ExpertCtx& x, const RowCtx& rc, int col, float c0,
+                                              float c1) {
+    if (col >= p.H) return;
+    float o0 = __fmul_rn(c0, x.s);
+    float o1 = __fmul_rn(c1, x.s);
+    if (p.bias) {
+      o0 = __fadd_rn(o0, p.bias[static_cast<int64_t>(x.e) * p.H + col]);
+      o1 = __fadd_rn(o1, p.bias[static_cast<int64_t>(x.e) * p.H + col + 1]);
+    }
+    // The down LoRA delta, always added (+0 for base rows, which turns -0 into +0 as the reference).
+    *reinterpret_cast<float2*>(rc.orow + col) =
+        make_float2(__fadd_rn(o0, lora_delta(rc.lr, col)), __fadd_rn(o1, lora_delta(rc.lr, col + 1)));
   }
 };
+
+// The epilogue of one mma.sync block tile: thread (lane) holds acc[mt][nt][2*half + {0,1}] = output
+// (row wm*WTM + mt*16 + lane/4 + 8*half, columns wn*WTN + nt*8 + 2*(lane%4) + {0,1}).
+template <class Cfg, class Epi, class Act>
+__device__ __forceinline__ void tile_epilogue(const typename Epi::Params& p, const GemmProblem& g,
+                                              const MainLoop<Cfg>& ml, const TileRows& tr, int n0) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int wm = warp / Cfg::WARPS_N, wn = warp % Cfg::WARPS_N;
+  const auto x = Epi::template expert_ctx<Act>(p, tr.expert);
+#pragma unroll
+  for (int mt = 0; mt < Cfg::MT; ++mt)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = tr.row0 + wm * Cfg::WTM + mt * 16 + (lane >> 2) + half * 8;
+      if (r >= tr.row_end) continue;
+      const auto rc = Epi::row_ctx(p, g, x, r);
+#pragma unroll
+      for (int nt = 0; nt < Cfg::NT; ++nt)
+        Epi::template pair<Act>(p, x, rc, n0 + wn * Cfg::WTN + nt * 8 + 2 * (lane & 3), ml.acc[mt][nt][2 * half],
+                                ml.acc[mt][nt][2 * half + 1]);
+    }
+}
 
 template <class Cfg, class Epi, class Act>
 __global__ void __launch_bounds__(Cfg::THREADS) grouped_gemm_kernel(GemmProblem g, typename Epi::Params ep) {
@@ -197,7 +227,7 @@ __global__ void __launch_bounds__(Cfg::THREADS) grouped_gemm_kernel(GemmProblem 
   }
   MainLoop<Cfg> ml;
   ml.run(smem, arows, g.K, g.B, tr.expert, n0);
-  Epi::template apply<Cfg, Act>(ep, g, ml, tr, n0);
+  tile_epilogue<Cfg, Epi, Act>(ep, g, ml, tr, n0);
 }
 
 }  // namespace fp4moe::cuda_backend

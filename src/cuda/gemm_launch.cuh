@@ -2,12 +2,13 @@
 // and launches it. Included by one .cu per weight format so the instantiations compile in parallel.
 #pragma once
 #include "cuda/gemm_grouped.cuh"
+#include "cuda/gemm_skinny.cuh"
 
 namespace fp4moe::cuda_backend {
 
 // The tile configurations of plan.h's kGemmConfigs, by index.
 template <int Config, bool FP4> struct ConfigOf;
-template <bool FP4> struct ConfigOf<0, FP4> { using type = TileConfig<16, 128, 1, 4, 4, FP4>; };
+template <bool FP4> struct ConfigOf<0, FP4> { using type = SkinnyConfig<4, 12, FP4>; };
 template <bool FP4> struct ConfigOf<1, FP4> { using type = TileConfig<64, 128, 2, 4, 3, FP4>; };
 template <bool FP4> struct ConfigOf<2, FP4> { using type = TileConfig<128, 128, 2, 4, 3, FP4>; };
 // The table above must match plan.h (the plan sizes grids and shared memory from kGemmConfigs).
@@ -15,14 +16,17 @@ template <int I> constexpr bool matches_plan() {
   using C = typename ConfigOf<I, true>::type;
   constexpr GemmConfig g = kGemmConfigs[I];
   return C::BM == g.bm && C::BN == g.bn && C::BK == g.bk && C::WARPS_M == g.warps_m && C::WARPS_N == g.warps_n &&
-         C::STAGES == g.stages;
+         C::STAGES == g.stages && C::WEIGHTS_AS_A == g.weights_as_a;
 }
 static_assert(matches_plan<0>() && matches_plan<1>() && matches_plan<2>(), "ConfigOf differs from plan.h kGemmConfigs");
 
 template <class Cfg, class Epi, class Act>
 void launch_grouped(const GemmProblem& g, const typename Epi::Params& ep, int n_tiles, int m_tiles, cudaStream_t stream) {
   if (n_tiles <= 0 || m_tiles <= 0) return;
-  auto kernel = grouped_gemm_kernel<Cfg, Epi, Act>;
+  auto kernel = [] {
+    if constexpr (Cfg::WEIGHTS_AS_A) return skinny_gemm_kernel<Cfg, Epi, Act>;
+    else return grouped_gemm_kernel<Cfg, Epi, Act>;
+  }();
   if (Cfg::SMEM_BYTES > 48 * 1024)
     check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::SMEM_BYTES),
                "cudaFuncSetAttribute(grouped_gemm_kernel)");

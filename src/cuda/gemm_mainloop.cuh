@@ -16,7 +16,7 @@ namespace fp4moe::cuda_backend {
 template <int BM_, int BN_, int WARPS_M_, int WARPS_N_, int STAGES_, bool FP4_>
 struct TileConfig {
   static constexpr int BM = BM_, BN = BN_, BK = 64, WARPS_M = WARPS_M_, WARPS_N = WARPS_N_, STAGES = STAGES_;
-  static constexpr bool FP4 = FP4_;
+  static constexpr bool FP4 = FP4_, WEIGHTS_AS_A = false;
   static constexpr int THREADS = 32 * WARPS_M * WARPS_N;
   static constexpr int WTM = BM / WARPS_M, WTN = BN / WARPS_N;  // warp tile
   static constexpr int MT = WTM / 16, NT = WTN / 8;             // mma tiles per warp

@@ -176,18 +176,37 @@ PeftExpertsLora read_experts_lora(const safetensors::File& f, const PeftConfig& 
   int64_t E = opt.num_experts, El = 0;
   const int64_t n = static_cast<int64_t>(targets.size());
   Split gu, dn;
-  for (int64_t i = 0; i < n; ++i) {
-    // PEFT wraps the experts module once per target, in config order: the first target ends up innermost.
-    std::string base = opt.module_prefix + "experts.";
-    for (int64_t d = 0; d < n - 1 - i; ++d) base += "base_layer.";
-    Split s = split_target(f, base, targets[static_cast<size_t>(i)], c.r, &E, opt, &El);
-    if (target_kind(targets[static_cast<size_t>(i)]) == "gate_up") {
+  const std::string base = opt.module_prefix + "experts.";
+  if (n == 1) {
+    Split s = split_target(f, base, targets[0], c.r, &E, opt, &El);
+    if (target_kind(targets[0]) == "gate_up") {
       out.has_gate_up = true;
       gu = std::move(s);
     } else {
       out.has_down = true;
       dn = std::move(s);
     }
+  } else {
+    // PEFT wraps the experts module once per target (the inner wrapper's tensors under "base_layer."), but the
+    // target list it saves does not keep the wrapping order (seen both ways with PEFT 0.21), so the shapes
+    // decide: gate_up's A reads H = down's B output, and gate_up's B writes 2I = twice down's A input. Exactly
+    // one assignment can fit (both would need H = 2H).
+    Split inner = split_target(f, base + "base_layer.", targets[0] + " or " + targets[1], c.r, &E, opt, &El);
+    Split outer = split_target(f, base, targets[0] + " or " + targets[1], c.r, &E, opt, &El);
+    const auto fits = [](const Split& g, const Split& d) { return g.in == d.out && g.out == 2 * d.in; };
+    if (fits(inner, outer)) {
+      gu = std::move(inner);
+      dn = std::move(outer);
+    } else if (fits(outer, inner)) {
+      gu = std::move(outer);
+      dn = std::move(inner);
+    } else {
+      bad("target_parameters", f.origin() + ": the two expert LoRA pairs (in " + std::to_string(inner.in) + " -> out " +
+                                   std::to_string(inner.out) + ", in " + std::to_string(outer.in) + " -> out " +
+                                   std::to_string(outer.out) +
+                                   ") do not fit gate_up [2I, H] and down [H, I] of one layer");
+    }
+    out.has_gate_up = out.has_down = true;
   }
   out.E = El;
   if (out.has_gate_up) {

@@ -379,10 +379,30 @@ TEST(Peft, BadConfigsAndMissingTensorsAreReported) {
   PeftConfig none = c;
   none.target_parameters = {"self_attn.q_proj.weight"};
   expect_error([&] { peft::read_experts_lora(f, none, opt); }, "target");
-  // Listed in the other order, the nesting puts down's keys under base_layer: the shapes expose it.
+  // PEFT saves the target list in either order for the same nesting: the shapes decide, so the swapped list
+  // reads the same matrices.
   PeftConfig swapped = c;
   std::swap(swapped.target_parameters[0], swapped.target_parameters[1]);
-  expect_error([&] { peft::read_experts_lora(f, swapped, opt); }, "hidden size");
+  {
+    const PeftExpertsLora a = peft::read_experts_lora(f, c, opt), b = peft::read_experts_lora(f, swapped, opt);
+    EXPECT_EQ(a.a_gate_up, b.a_gate_up);
+    EXPECT_EQ(a.b_gate_up, b.b_gate_up);
+    EXPECT_EQ(a.a_down, b.a_down);
+    EXPECT_EQ(a.b_down, b.b_down);
+    EXPECT_EQ(a.H, b.H);
+    EXPECT_EQ(a.I, b.I);
+  }
+  // Two pairs that fit no (gate_up, down) assignment: down's B output is not gate_up's input.
+  {
+    std::vector<st::WriteTensor> odd = ts;
+    for (auto& t : odd)
+      if (t.name == "m.experts.lora_B.weight") {
+        t.shape[0] += 16;
+        t.bytes.resize(static_cast<size_t>(t.shape[0] * t.shape[1] * 2), 0);
+      }
+    st::write_file(dir.file("nofit.safetensors"), odd);
+    expect_error([&] { peft::read_experts_lora(st::File::open(dir.file("nofit.safetensors")), c, opt); }, "do not fit");
+  }
 
   // Wrong dtype and inconsistent B shape inside an otherwise valid file.
   std::vector<st::WriteTensor> bad = ts;

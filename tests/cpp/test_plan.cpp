@@ -63,8 +63,14 @@ void check_plan(const ProblemShape& s, std::mt19937_64& rng) {
   // GEMM tiles cover N and K; the tile fits the warp grid; shared memory within the sm_90 limit.
   const GemmConfig& g = p.gemm;
   EXPECT_EQ(g.bk, 64);  // the prepared weight layout is blocked by 64 along K
-  EXPECT_EQ(g.bm % (16 * g.warps_m), 0);
-  EXPECT_EQ(g.bn % (32 * g.warps_n), 0);
+  if (g.weights_as_a) {  // 16 weight rows per warp, tokens in groups of 8
+    EXPECT_EQ(g.warps_m, 1);
+    EXPECT_EQ(g.bn, 16 * g.warps_n);
+    EXPECT_EQ(g.bm % 8, 0);
+  } else {
+    EXPECT_EQ(g.bm % (16 * g.warps_m), 0);
+    EXPECT_EQ(g.bn % (32 * g.warps_n), 0);
+  }
   EXPECT_LE(g.threads(), 1024);
   EXPECT_LE(p.gemm_smem, 227u * 1024u);
   EXPECT_EQ(p.n1, s.gated ? 2 * I : I);
