@@ -46,8 +46,8 @@ struct WorkspaceBuffer {
 struct GemmConfig {
   int bm = 0, bn = 0, bk = 0;       // block tile: rows (tokens), columns (weight rows), K step
   int warps_m = 0, warps_n = 0;     // warp grid
-  int stages = 0;                   // cp.async pipeline depth (per warp when weights_as_a)
-  bool weights_as_a = false;        // src/cuda/gemm_skinny.cuh: weights are the mma A operand, 16 rows a warp
+  int stages = 0;                   // cp.async pipeline depth
+  bool weights_as_a = false;        // src/cuda/gemm_skinny.cuh: weights as the mma A operand, 16 rows a warp
   int threads() const { return 32 * warps_m * warps_n; }
 };
 
@@ -127,7 +127,7 @@ constexpr int64_t kMaxLoraRank = 64;              // an adapter's r (SPEC §5)
 
 constexpr int kNumGemmConfigs = 3;
 inline constexpr GemmConfig kGemmConfigs[kNumGemmConfigs] = {
-    {32, 64, 64, 1, 4, 12, true},  // decode / small batches: <= 32 rows per expert tile, weights read once
+    {32, 64, 64, 1, 4, 8, true},   // decode / small batches: <= 32 rows per expert tile, weights read once
     {64, 128, 64, 2, 4, 3},        // medium
     {128, 128, 64, 2, 4, 3},       // prefill
 };

@@ -213,18 +213,7 @@ __global__ void __launch_bounds__(Cfg::THREADS) grouped_gemm_kernel(GemmProblem 
   if (!resolve_tile<Cfg::BM>(g, tr)) return;
   const int n0 = static_cast<int>(blockIdx.y) * Cfg::BN;
 
-  ARows<Cfg> arows;
-#pragma unroll
-  for (int i = 0; i < Cfg::A_CHUNKS; ++i) {
-    const int row = (threadIdx.x + i * Cfg::THREADS) >> 3;
-    const int r = tr.row0 + row;
-    arows.ptr[i] = nullptr;
-    if (r < tr.row_end) {
-      const int entry = entry_of(g, r);
-      const int arow = g.gather_k ? entry / g.gather_k : r;
-      arows.ptr[i] = g.A + static_cast<int64_t>(arow) * g.lda;
-    }
-  }
+  const ARows<Cfg> arows = tile_arows<Cfg>(g, tr);
   MainLoop<Cfg> ml;
   ml.run(smem, arows, g.K, g.B, tr.expert, n0);
   tile_epilogue<Cfg, Epi, Act>(ep, g, ml, tr, n0);

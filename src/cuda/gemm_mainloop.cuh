@@ -13,10 +13,11 @@
 
 namespace fp4moe::cuda_backend {
 
-template <int BM_, int BN_, int WARPS_M_, int WARPS_N_, int STAGES_, bool FP4_>
+// WEIGHTS_AS_A: the block tile of gemm_skinny.cuh (same stages, tokens as the mma B operand).
+template <int BM_, int BN_, int WARPS_M_, int WARPS_N_, int STAGES_, bool FP4_, bool WEIGHTS_AS_A_ = false>
 struct TileConfig {
   static constexpr int BM = BM_, BN = BN_, BK = 64, WARPS_M = WARPS_M_, WARPS_N = WARPS_N_, STAGES = STAGES_;
-  static constexpr bool FP4 = FP4_, WEIGHTS_AS_A = false;
+  static constexpr bool FP4 = FP4_, WEIGHTS_AS_A = WEIGHTS_AS_A_;
   static constexpr int THREADS = 32 * WARPS_M * WARPS_N;
   static constexpr int WTM = BM / WARPS_M, WTN = BN / WARPS_N;  // warp tile
   static constexpr int MT = WTM / 16, NT = WTN / 8;             // mma tiles per warp
@@ -37,6 +38,59 @@ template <class Cfg> struct ARows {
   const uint16_t* ptr[Cfg::A_CHUNKS];  // row start (null: row outside the tile's rows)
 };
 
+// Issues the cp.async copies of stage `stage` <- k-block kb: A rows (zero past the tile's rows and past K),
+// the weight rows [n0, n0 + BN) of the k-block (one contiguous run) and their scales.
+template <class C>
+__device__ __forceinline__ void load_tile_stage(uint8_t* smem, int stage, int kb, const ARows<C>& arows, int K,
+                                                const DeviceMatrix& B, const uint8_t* bdata, const uint8_t* bsf, int n0) {
+  const int tid = threadIdx.x;
+  const int N = static_cast<int>(B.N);
+  uint8_t* sA = smem + stage * C::STAGE_BYTES;
+  uint8_t* sB = sA + C::A_BYTES;
+  uint8_t* sSF = sB + C::B_BYTES;
+#pragma unroll
+  for (int i = 0; i < C::A_CHUNKS; ++i) {
+    const int c = tid + i * C::THREADS;
+    const int row = c >> 3, ch = c & 7;
+    const int k = kb * C::BK + ch * 8;
+    const bool valid = arows.ptr[i] != nullptr && k < K;
+    const uint16_t* src = valid ? arows.ptr[i] + k : nullptr;
+    dev::cp_async16(sA + row * 128 + ((ch ^ (row & 7)) << 4), valid ? src : reinterpret_cast<const uint16_t*>(B.data), valid);
+  }
+  const uint8_t* gB = bdata + (static_cast<int64_t>(kb) * N + n0) * C::B_ROW_BYTES;
+  constexpr int kRowChunks = C::B_ROW_BYTES / 16;
+#pragma unroll
+  for (int c = tid; c < C::B_BYTES / 16; c += C::THREADS) {
+    const bool valid = n0 + c / kRowChunks < N;
+    dev::cp_async16(sB + c * 16, valid ? gB + c * 16 : B.data, valid);
+  }
+  if constexpr (C::FP4) {
+    const uint8_t* gS = bsf + (static_cast<int64_t>(kb) * N + n0) * 4;
+    for (int c = tid; c < C::SF_BYTES / 16; c += C::THREADS) {
+      const bool valid = n0 + c * 4 < N;  // N is a multiple of 16: a chunk's 4 rows are all in or out
+      dev::cp_async16(sSF + c * 16, valid ? gS + c * 16 : B.data, valid);
+    }
+  }
+}
+
+// The A rows of a tile for this thread's chunks: row i of the tile is permuted row row0 + i, whose A row is
+// its token (gather_k: entry / k) or itself.
+template <class Cfg, class Problem, class Rows>
+__device__ __forceinline__ ARows<Cfg> tile_arows(const Problem& g, const Rows& tr) {
+  ARows<Cfg> arows;
+#pragma unroll
+  for (int i = 0; i < Cfg::A_CHUNKS; ++i) {
+    const int r = tr.row0 + ((threadIdx.x + i * Cfg::THREADS) >> 3);
+    arows.ptr[i] = nullptr;
+    if (r < tr.row_end) {
+      const int entry = g.row_entry ? g.row_entry[r] : r;
+      const int arow = g.gather_k ? entry / g.gather_k : r;
+      arows.ptr[i] = g.A + static_cast<int64_t>(arow) * g.lda;
+    }
+  }
+  return arows;
+}
+
 template <class Cfg> struct MainLoop {
   using C = Cfg;
   float acc[C::MT][C::NT][4];
@@ -55,37 +109,7 @@ template <class Cfg> struct MainLoop {
     const int KB = static_cast<int>(B.Kp / C::BK);
     const uint8_t* bdata = B.data + static_cast<int64_t>(expert) * B.expert_data_bytes;
     const uint8_t* bsf = C::FP4 ? B.sf + static_cast<int64_t>(expert) * B.expert_sf_bytes : nullptr;
-    const int N = static_cast<int>(B.N);
-
-    auto load_stage = [&](int stage, int kb) {
-      uint8_t* sA = smem + stage * C::STAGE_BYTES;
-      uint8_t* sB = sA + C::A_BYTES;
-      uint8_t* sSF = sB + C::B_BYTES;
-#pragma unroll
-      for (int i = 0; i < C::A_CHUNKS; ++i) {
-        const int c = tid + i * C::THREADS;
-        const int row = c >> 3, ch = c & 7;
-        const int k = kb * C::BK + ch * 8;
-        const bool valid = arows.ptr[i] != nullptr && k < K;
-        const uint16_t* src = valid ? arows.ptr[i] + k : nullptr;
-        dev::cp_async16(sA + row * 128 + ((ch ^ (row & 7)) << 4), valid ? src : reinterpret_cast<const uint16_t*>(B.data), valid);
-      }
-      // The stage's weights are one contiguous run: [n0, n0 + BN) rows of k-block kb.
-      const uint8_t* gB = bdata + (static_cast<int64_t>(kb) * N + n0) * C::B_ROW_BYTES;
-      constexpr int kRowChunks = C::B_ROW_BYTES / 16;
-#pragma unroll
-      for (int c = tid; c < C::B_BYTES / 16; c += C::THREADS) {
-        const bool valid = n0 + c / kRowChunks < N;
-        dev::cp_async16(sB + c * 16, valid ? gB + c * 16 : B.data, valid);
-      }
-      if constexpr (C::FP4) {
-        const uint8_t* gS = bsf + (static_cast<int64_t>(kb) * N + n0) * 4;
-        for (int c = tid; c < C::SF_BYTES / 16; c += C::THREADS) {
-          const bool valid = n0 + c * 4 < N;  // N is a multiple of 16: a chunk's 4 rows are all in or out
-          dev::cp_async16(sSF + c * 16, valid ? gS + c * 16 : B.data, valid);
-        }
-      }
-    };
+    auto load_stage = [&](int stage, int kb) { load_tile_stage<C>(smem, stage, kb, arows, K, B, bdata, bsf, n0); };
 
 #pragma unroll
     for (int s = 0; s < C::STAGES - 1; ++s) {

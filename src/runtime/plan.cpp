@@ -117,8 +117,7 @@ MoePlan make_plan(const ProblemShape& shape) {
     p.shared_k2_pad = round_up(s.shared_I, g.bk);
   }
   const int64_t b_stage = s.format == WeightFormat::NVFP4 ? g.bn * (g.bk / 2 + g.bk / 16) : g.bn * g.bk * 2;
-  // weights_as_a: only weights pass through shared memory (each warp's own ring); tokens come from L1.
-  p.gemm_smem = static_cast<size_t>(g.stages * ((g.weights_as_a ? 0 : g.bm * g.bk * 2) + b_stage));
+  p.gemm_smem = static_cast<size_t>(g.stages * (g.bm * g.bk * 2 + b_stage));
   if (p.max_m_tiles > 0x7fffffff || p.shared_m_tiles > 0x7fffffff)
     unsupported("T", "too many row tiles for one launch");
   if (p.n1_tiles > 65535 || p.n2_tiles > 65535 || p.shared_n1_tiles > 65535) unsupported("H", "too many column tiles");
