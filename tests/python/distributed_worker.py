@@ -54,8 +54,10 @@ def main(report):
     def bits(t):
         return t.view(torch.int16).cpu()
 
-    gathered = [torch.empty_like(bits(y_tp)) for _ in range(world)]
-    dist.all_gather(gathered, bits(y_tp))  # host tensors: the worker's process group is gloo
+    # Host tensors: the worker's process group is gloo, which gathers no int16 — widen the bits to int32.
+    mine = bits(y_tp).to(torch.int32)
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine)
     rows = T // world
 
     def rel(a, b):
