@@ -125,9 +125,10 @@ constexpr int64_t kMaxTokens = int64_t(1) << 30;
 constexpr int64_t kMaxHidden = int64_t(1) << 20;  // H, I: keeps every per-row index inside int32
 constexpr int64_t kMaxLoraRank = 64;              // an adapter's r (SPEC §5)
 
-constexpr int kNumGemmConfigs = 3;
+constexpr int kNumGemmConfigs = 4;
 inline constexpr GemmConfig kGemmConfigs[kNumGemmConfigs] = {
-    {32, 64, 64, 1, 4, 8, true},   // decode / small batches: <= 32 rows per expert tile, weights read once
+    {8, 128, 64, 1, 8, 8, true},   // decode: <= 8 rows per expert tile, small token stage, many bytes in flight
+    {32, 64, 64, 1, 4, 8, true},   // small batches: <= 32 rows per expert tile, weights read once
     {64, 128, 64, 2, 4, 3},        // medium
     {128, 128, 64, 2, 4, 3},       // prefill
 };

@@ -8,9 +8,10 @@ namespace fp4moe::cuda_backend {
 
 // The tile configurations of plan.h's kGemmConfigs, by index.
 template <int Config, bool FP4> struct ConfigOf;
-template <bool FP4> struct ConfigOf<0, FP4> { using type = SkinnyConfig<4, 8, FP4>; };
-template <bool FP4> struct ConfigOf<1, FP4> { using type = TileConfig<64, 128, 2, 4, 3, FP4>; };
-template <bool FP4> struct ConfigOf<2, FP4> { using type = TileConfig<128, 128, 2, 4, 3, FP4>; };
+template <bool FP4> struct ConfigOf<0, FP4> { using type = SkinnyConfig<8, 8, 8, FP4>; };
+template <bool FP4> struct ConfigOf<1, FP4> { using type = SkinnyConfig<32, 4, 8, FP4>; };
+template <bool FP4> struct ConfigOf<2, FP4> { using type = TileConfig<64, 128, 2, 4, 3, FP4>; };
+template <bool FP4> struct ConfigOf<3, FP4> { using type = TileConfig<128, 128, 2, 4, 3, FP4>; };
 // The table above must match plan.h (the plan sizes grids and shared memory from kGemmConfigs).
 template <int I> constexpr bool matches_plan() {
   using C = typename ConfigOf<I, true>::type;
@@ -18,7 +19,8 @@ template <int I> constexpr bool matches_plan() {
   return C::BM == g.bm && C::BN == g.bn && C::BK == g.bk && C::WARPS_M == g.warps_m && C::WARPS_N == g.warps_n &&
          C::STAGES == g.stages && C::WEIGHTS_AS_A == g.weights_as_a;
 }
-static_assert(matches_plan<0>() && matches_plan<1>() && matches_plan<2>(), "ConfigOf differs from plan.h kGemmConfigs");
+static_assert(matches_plan<0>() && matches_plan<1>() && matches_plan<2>() && matches_plan<3>(),
+              "ConfigOf differs from plan.h kGemmConfigs");
 
 template <class Cfg, class Epi, class Act>
 void launch_grouped(const GemmProblem& g, const typename Epi::Params& ep, int n_tiles, int m_tiles, cudaStream_t stream) {
@@ -41,7 +43,8 @@ template <bool FP4> void launch_gemm1_fmt(int config, ActivationType at, const G
     switch (config) {
       case 0: launch_grouped<typename ConfigOf<0, FP4>::type, Epilogue1, Act>(g, e, n_tiles, m_tiles, stream); break;
       case 1: launch_grouped<typename ConfigOf<1, FP4>::type, Epilogue1, Act>(g, e, n_tiles, m_tiles, stream); break;
-      default: launch_grouped<typename ConfigOf<2, FP4>::type, Epilogue1, Act>(g, e, n_tiles, m_tiles, stream); break;
+      case 2: launch_grouped<typename ConfigOf<2, FP4>::type, Epilogue1, Act>(g, e, n_tiles, m_tiles, stream); break;
+      default: launch_grouped<typename ConfigOf<3, FP4>::type, Epilogue1, Act>(g, e, n_tiles, m_tiles, stream); break;
     }
   });
 }
@@ -51,7 +54,8 @@ template <bool FP4> void launch_gemm2_fmt(int config, const GemmProblem& g, cons
   switch (config) {
     case 0: launch_grouped<typename ConfigOf<0, FP4>::type, Epilogue2, act::Identity>(g, e, n_tiles, m_tiles, stream); break;
     case 1: launch_grouped<typename ConfigOf<1, FP4>::type, Epilogue2, act::Identity>(g, e, n_tiles, m_tiles, stream); break;
-    default: launch_grouped<typename ConfigOf<2, FP4>::type, Epilogue2, act::Identity>(g, e, n_tiles, m_tiles, stream); break;
+    case 2: launch_grouped<typename ConfigOf<2, FP4>::type, Epilogue2, act::Identity>(g, e, n_tiles, m_tiles, stream); break;
+    default: launch_grouped<typename ConfigOf<3, FP4>::type, Epilogue2, act::Identity>(g, e, n_tiles, m_tiles, stream); break;
   }
 }
 

@@ -27,9 +27,9 @@ struct TileConfig {
   static constexpr int SF_BYTES = FP4 ? BN * 4 : 0;
   static constexpr int STAGE_BYTES = A_BYTES + B_BYTES + SF_BYTES;
   static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES;
-  static constexpr int A_CHUNKS = BM * 8 / THREADS;  // 16-byte A chunks per thread per stage
-  static_assert(BM % (16 * WARPS_M) == 0 && BN % (8 * WARPS_N) == 0, "warp tiling");
-  static_assert((BM * 8) % THREADS == 0 && A_CHUNKS >= 1, "A chunks per thread");
+  static constexpr int A_CHUNKS = (BM * 8 + THREADS - 1) / THREADS;  // 16-byte A chunks per thread per stage
+  static_assert(BM % (WEIGHTS_AS_A ? 8 : 16 * WARPS_M) == 0 && BN % (8 * WARPS_N) == 0, "warp tiling");
+  static_assert((BM * 8) % THREADS == 0 || BM * 8 < THREADS, "A chunks per thread");
   static_assert(B_BYTES % 16 == 0 && SF_BYTES % 16 == 0, "16-byte chunks");
 };
 
@@ -51,6 +51,7 @@ __device__ __forceinline__ void load_tile_stage(uint8_t* smem, int stage, int kb
 #pragma unroll
   for (int i = 0; i < C::A_CHUNKS; ++i) {
     const int c = tid + i * C::THREADS;
+    if (C::BM * 8 < C::THREADS && c >= C::BM * 8) break;  // small tiles: fewer A chunks than threads
     const int row = c >> 3, ch = c & 7;
     const int k = kb * C::BK + ch * 8;
     const bool valid = arows.ptr[i] != nullptr && k < K;

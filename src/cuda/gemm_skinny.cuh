@@ -4,7 +4,7 @@
 // Tokens and weights come through the cp.async stages of the mma.sync tile (load_tile_stage).
 //
 // Assumptions (asserted or guaranteed by the plan): N and K are multiples of 16; the weights use the
-// prepared layout of kernels.h; a tile has at most BM = 32 rows (four groups of 8 tokens).
+// prepared layout of kernels.h; a tile has at most BM (8 or 32) rows, in groups of 8 tokens.
 //
 // Bits: out(row m, col n) = sum over k of A[m][k] * W[n][k] runs the same chain of m16n8k16 steps
 // k = 0, 16, 32, ... as the mma.sync tile of gemm_mainloop.cuh, with the same 16 products per step; only the
@@ -19,7 +19,8 @@ namespace fp4moe::cuda_backend {
 
 // BM tokens x BN = 16 * WARPS weight rows a block; the stages are those of the mma.sync tile
 // (load_tile_stage: tokens in sA, weights and scales in sB / sSF), so the tokens stream with the weights.
-template <int WARPS, int STAGES, bool FP4> using SkinnyConfig = TileConfig<32, 16 * WARPS, 1, WARPS, STAGES, FP4, true>;
+template <int BM, int WARPS, int STAGES, bool FP4>
+using SkinnyConfig = TileConfig<BM, 16 * WARPS, 1, WARPS, STAGES, FP4, true>;
 
 // One warp's A fragments (16 weight rows x one k16 step) for the 4 steps of a k-block in shared memory:
 // thread (g, t) holds rows g and g + 8 at k = 2t, 2t+1 and 2t+8, 2t+9 — in the prepared layout, the bytes

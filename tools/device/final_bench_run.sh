@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# The closing H200 call of a session (kind nvidia-h200-x2, from an unpacked `git archive` with carried binaries in
+# BIN): the single-GPU tests (FILTER), per-kernel times of one call at T=1 and T=64 (ncu), the full
+# `fp4moe bench` (every SPEC §1 shape, T = 1 .. 16384, with and without LoRA), the torch._grouped_mm bf16 baseline
+# in the same call with the ratio table, the plots (one tar), and — on the second GPU's machine — the Python
+# distributed test (extension built in the background). At most 8 files come back; the rest is removed.
+set -u
+OUT=${OUT:-$PWD/final-bench-out}
+mkdir -p "$OUT"
+BIN=${BIN:-build-dev}
+FILTER=${FILTER:-*}
+BUDGET=${BUDGET:-540}
+t0=$(date +%s)
+S="$OUT/0-summary.log"
+say() { echo "$*" | tee -a "$S"; }
+left() { echo $(( BUDGET - ($(date +%s) - t0) )); }
+step() {  # step NAME CAP CMD...: CMD with min(CAP, time left) seconds, output to $OUT/NAME.log
+  local name=$1 cap=$2; shift 2
+  local l; l=$(left); [ "$l" -lt "$cap" ] && cap=$l
+  if [ "$cap" -le 5 ]; then say "== $name: skipped (no time left)"; return; fi
+  local s=$(date +%s)
+  timeout -s KILL "$cap" "$@" > "$OUT/$name.log" 2>&1
+  say "== $name: rc=$? in $(( $(date +%s) - s )) s (cap $cap s)"
+}
+export PATH=/usr/local/cuda/bin:$PATH NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+{
+  echo "# date: $(date -u +%FT%TZ)"
+  echo "# revision: $(cat .device-rev 2>/dev/null || echo unknown)"
+  nvidia-smi --query-gpu=index,name,driver_version,memory.total,clocks.max.sm --format=csv,noheader 2>&1
+} >> "$S"
+
+( cmake -S . -B build-py -DCMAKE_BUILD_TYPE=Release -DFP4MOE_BUILD_PYTHON=ON -DFP4MOE_BUILD_TESTS=OFF \
+    -DFP4MOE_BUILD_TOOLS=OFF > /tmp/py-build.log 2>&1 && nice cmake --build build-py -j8 --target _C >> /tmp/py-build.log 2>&1
+  echo "python build rc=$?" >> /tmp/py-build.log ) &
+pybuild=$!
+
+step gpu_tests 150 "$BIN/fp4moe_gpu_tests" --gtest_filter="$FILTER"
+grep -E '^\[  (PASSED|FAILED|SKIPPED) |^\[==========\]|^\[  FAILED|^STAT perf' "$OUT/gpu_tests.log" | tee -a "$S"
+
+# Per-kernel GPU time of the first (eager) call at T=1 and T=64, kimi_k3_tp8, no LoRA.
+if command -v ncu > /dev/null; then
+  for T in 1 64; do
+    step ncu_T$T 45 ncu --metrics gpu__time_duration.sum --launch-count 8 \
+      -k "regex:routing|count_kernel|scan_kernel|place_kernel|gemm_kernel|combine_kernel|quantize_kernel" \
+      "$BIN/fp4moe" bench --shapes kimi_k3_tp8 --tokens $T --no-lora --runs 1 --max-runs 1 --min-time 0
+    echo "-- ncu kimi_k3_tp8 T=$T (gpu__time_duration.sum per kernel, first call):" >> "$S"
+    grep -E "^  [a-z_].*\(|gpu__time_duration" "$OUT/ncu_T$T.log" | sed 's/(fp4moe::[^)]*)//' | paste - - | \
+      sed -E 's/ +/ /g' | cut -c1-160 >> "$S"
+  done
+fi
+
+step fp4moe_bench 230 "$BIN/fp4moe" bench --json "$OUT/fp4moe.json"
+sed -n '/^| shape/,$p' "$OUT/fp4moe_bench.log" >> "$S"
+grep -E "^ceilings|copy|gemm" "$OUT/fp4moe_bench.log" | head -3 >> "$S"
+FP=""
+[ -s "$OUT/fp4moe.json" ] && FP="--fp4moe $OUT/fp4moe.json --ratio $OUT/ratio.md"
+step torch_baseline 170 python3 bench/torch_baseline.py --json "$OUT/torch.json" $FP
+grep -E "^ceilings|error|Error" "$OUT/torch_baseline.log" | head -5 >> "$S"
+[ -s "$OUT/ratio.md" ] && cat "$OUT/ratio.md" >> "$S"
+if [ -s "$OUT/fp4moe.json" ]; then
+  TB=""
+  [ -s "$OUT/torch.json" ] && TB="--torch $OUT/torch.json"
+  python3 bench/plot.py "$OUT/fp4moe.json" $TB --out "$OUT/plots" > "$OUT/plot.log" 2>&1
+  say "== plots rc=$?: $(ls "$OUT/plots" 2>/dev/null | tr '\n' ' ')"
+  (cd "$OUT" && tar -cf plots.tar plots && rm -rf plots)
+fi
+
+wait $pybuild
+tail -1 /tmp/py-build.log | tee -a "$S"
+if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+  d=$(python3 -c "import nvidia.nccl, os; print([os.path.join(p, 'lib') for p in nvidia.nccl.__path__][0])" 2>/dev/null)
+  [ -n "$d" ] && export FP4MOE_NCCL_LIBRARY=$d
+  FP4MOE_BUILD_DIR=$PWD/build-py step pytest_distributed 60 python3 -m pytest -q -rs -p no:cacheprovider \
+    tests/python/test_distributed.py
+  tail -4 "$OUT/pytest_distributed.log" | tee -a "$S"
+fi
+say "== total $(( $(date +%s) - t0 )) s"
+find "$OUT" -maxdepth 1 -type f ! -name '0-summary.log' ! -name gpu_tests.log ! -name fp4moe.json \
+  ! -name fp4moe_bench.log ! -name torch.json ! -name ratio.md ! -name torch_baseline.log ! -name plots.tar -delete
