@@ -17,8 +17,10 @@
 #include "fp4moe/moe.h"
 #include "fp4moe/quantize.h"
 #include "runtime/prepared.h"
+#include "test_helpers.h"
 
 using namespace fp4moe;
+using fp4moe::testutil::expect_error;
 
 namespace {
 
@@ -266,15 +268,6 @@ LoraAdapterDesc fused_desc(const Bf16& A, const Bf16& B, int64_t r, float alpha)
   return d;
 }
 
-void expect_error(const std::function<void()>& f, const std::string& arg, ErrorCode code = ErrorCode::InvalidArgument) {
-  try {
-    f();
-    ADD_FAILURE() << "expected an error naming '" << arg << "'";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.argument(), arg) << e.what();
-    EXPECT_EQ(e.code(), code) << e.what();
-  }
-}
 
 }  // namespace
 

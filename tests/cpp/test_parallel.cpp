@@ -10,6 +10,7 @@
 #include "fp4moe/nvfp4.h"
 #include "fp4moe/parallel.h"
 #include "test_util.h"
+#include "test_helpers.h"
 
 using namespace fp4moe;
 using namespace fp4moe::testutil;
@@ -141,22 +142,6 @@ void set_act_params(MoeArgs& a, const Case& c, Inputs& in, int64_t off, int64_t 
   a.activation.beta = make_view(in.beta.data() + off, DType::F32, {n});
 }
 
-// Runs `fn(rank)` on one thread per rank; rethrows the first failure after joining.
-void run_ranks(int world, const std::function<void(int)>& fn) {
-  std::vector<std::thread> th;
-  std::vector<std::exception_ptr> errs(static_cast<size_t>(world));
-  for (int r = 0; r < world; ++r)
-    th.emplace_back([&, r] {
-      try {
-        fn(r);
-      } catch (...) {
-        errs[static_cast<size_t>(r)] = std::current_exception();
-      }
-    });
-  for (auto& t : th) t.join();
-  for (auto& e : errs)
-    if (e) std::rethrow_exception(e);
-}
 
 // The single-rank operator on the full weights (with the adapters when with_lora).
 std::vector<uint16_t> run_single(const Case& c, HostWeights& hw, Inputs& in, const std::vector<Lora>* loras) {

@@ -8,37 +8,14 @@
 
 #include "fp4moe/parallel.h"
 #include "test_util.h"
+#include "test_helpers.h"
 
 using namespace fp4moe;
 using namespace fp4moe::testutil;
 
 namespace {
 
-void expect_error(const std::function<void()>& f, const std::string& arg, ErrorCode code) {
-  try {
-    f();
-    ADD_FAILURE() << "expected an error naming '" << arg << "'";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.argument(), arg) << e.what();
-    EXPECT_EQ(e.code(), code) << e.what();
-  }
-}
 
-void run_ranks(int world, const std::function<void(int)>& fn) {
-  std::vector<std::thread> th;
-  std::vector<std::exception_ptr> errs(static_cast<size_t>(world));
-  for (int r = 0; r < world; ++r)
-    th.emplace_back([&, r] {
-      try {
-        fn(r);
-      } catch (...) {
-        errs[static_cast<size_t>(r)] = std::current_exception();
-      }
-    });
-  for (auto& t : th) t.join();
-  for (auto& e : errs)
-    if (e) std::rethrow_exception(e);
-}
 
 struct Small {
   int64_t E = 4, H = 64, I = 64, k = 2, T = 6;

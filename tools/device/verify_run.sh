@@ -17,16 +17,7 @@ BUDGET=${BUDGET:-520}
 FILTER=${FILTER:-*}
 t0=$(date +%s)
 S="$OUT/0-summary.log"
-say() { echo "$*" | tee -a "$S"; }
-left() { echo $(( BUDGET - ($(date +%s) - t0) )); }
-step() {  # step NAME CAP CMD...: CMD with min(CAP, time left) seconds, output to $OUT/NAME.log
-  local name=$1 cap=$2; shift 2
-  local l; l=$(left); [ "$l" -lt "$cap" ] && cap=$l
-  if [ "$cap" -le 5 ]; then say "== $name: skipped (no time left)"; return; fi
-  local s=$(date +%s)
-  timeout -s KILL "$cap" "$@" > "$OUT/$name.log" 2>&1
-  say "== $name: rc=$? in $(( $(date +%s) - s )) s (cap $cap s)"
-}
+. "$(dirname "$0")/lib.sh"
 {
   echo "# date: $(date -u +%FT%TZ)"
   echo "# revision: $(cat .device-rev 2>/dev/null || echo unknown)"

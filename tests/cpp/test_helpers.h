@@ -1,0 +1,45 @@
+// GoogleTest helpers shared by the C++ test files: "this call throws fp4moe::Error naming this argument" and
+// "run one function per rank on its own thread".
+#pragma once
+#include <gtest/gtest.h>
+
+#include <exception>
+#include <functional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "fp4moe/types.h"
+
+namespace fp4moe::testutil {
+
+// f() must throw Error with argument() == arg and code() == code.
+inline void expect_error(const std::function<void()>& f, const std::string& arg,
+                         ErrorCode code = ErrorCode::InvalidArgument) {
+  try {
+    f();
+    ADD_FAILURE() << "expected an error naming '" << arg << "'";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.argument(), arg) << e.what();
+    EXPECT_EQ(e.code(), code) << e.what();
+  }
+}
+
+// Runs fn(rank) on one thread per rank; rethrows the first failure after joining all.
+inline void run_ranks(int world, const std::function<void(int)>& fn) {
+  std::vector<std::thread> th;
+  std::vector<std::exception_ptr> errs(static_cast<size_t>(world));
+  for (int r = 0; r < world; ++r)
+    th.emplace_back([&, r] {
+      try {
+        fn(r);
+      } catch (...) {
+        errs[static_cast<size_t>(r)] = std::current_exception();
+      }
+    });
+  for (auto& t : th) t.join();
+  for (auto& e : errs)
+    if (e) std::rethrow_exception(e);
+}
+
+}  // namespace fp4moe::testutil

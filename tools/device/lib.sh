@@ -1,0 +1,14 @@
+# Helpers shared by the device scripts (sourced): a summary log $S, a time budget $BUDGET counted from $t0, and
+# step NAME CAP CMD... which runs CMD for at most min(CAP, time left) seconds with its output in $OUT/NAME.log.
+say() { echo "$*" | tee -a "$S"; }
+left() { echo $(( BUDGET - ($(date +%s) - t0) )); }
+step() {
+  local name=$1 cap=$2; shift 2
+  local l; l=$(left); [ "$l" -lt "$cap" ] && cap=$l
+  if [ "$cap" -le 5 ]; then say "== $name: skipped (no time left)"; return 124; fi
+  local s=$(date +%s)
+  timeout -s KILL "$cap" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  say "== $name: rc=$rc in $(( $(date +%s) - s )) s (cap $cap s)"
+  return $rc
+}
