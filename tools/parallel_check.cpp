@@ -213,12 +213,12 @@ class Rank {
     std::vector<SyntheticAdapter> ads;
     for (int i = 0; i < 8; ++i) ads.push_back(make_synthetic_adapter(L, 16, seed + 100 + i));
     // TP shard, EP window, and (rank 0) the full layer on GPU and CPU.
-    ShardedWeights tps = shard_weights_tp(full, rank_, W);
-    MoeWeights wtp = prepare_weights(tps.desc, Backend::CUDA, rank_);
+    OwnedWeights tps = shard_weights_tp(full, rank_, W);
+    MoeWeights wtp = prepare_weights(tps.desc(), Backend::CUDA, rank_);
     AdapterRegistry rtp(wtp, 8);
     const ExpertWindow win = expert_window(E, rank_, W);
-    ShardedWeights eps = slice_experts(full, win.offset, win.count);
-    MoeWeights wep = prepare_weights(eps.desc, Backend::CUDA, rank_);
+    OwnedWeights eps = slice_experts(full, win.offset, win.count);
+    MoeWeights wep = prepare_weights(eps.desc(), Backend::CUDA, rank_);
     AdapterRegistry rep(wep, 8);
     for (int i = 0; i < 8; ++i) {
       LoraAdapterDesc d = ads[i].desc();

@@ -14,33 +14,23 @@
 #include <vector>
 
 #include "fp4moe/moe.h"
+#include "fp4moe/quantize.h"  // OwnedWeights: host weights with their own storage
 #include "fp4moe/types.h"
 
 namespace fp4moe {
 
 // ---- sharding helpers (host tensors) -------------------------------------------------------------
-// Weights with their own storage; `desc` views the vectors below (move-only so the views stay valid).
-struct ShardedWeights {
-  WeightsDesc desc;
-  std::vector<uint8_t> w1, w1_scale, w2, w2_scale;  // packed bytes / e4m3 codes (NVFP4) or bf16 bytes
-  std::vector<float> w1_scale2, w2_scale2, bias1, bias2;
-  ShardedWeights() = default;
-  ShardedWeights(ShardedWeights&&) = default;
-  ShardedWeights& operator=(ShardedWeights&&) = default;
-  ShardedWeights(const ShardedWeights&) = delete;
-  ShardedWeights& operator=(const ShardedWeights&) = delete;
-};
-
 // The TP shard `rank` of `world` of host weights (NVFP4 linear or swizzled scales, or bf16): Is = I/world
 // must be a multiple of 16 (whole NVFP4 blocks). Rows [rank*Is, (rank+1)*Is) of each W1 half (either half
 // order; non-gated W1: of its one half) with their block scales; columns [rank*Is, ...) of W2 (packed bytes
 // and scale columns); per-half scale2 and w2 scale2 unchanged; bias1 sliced like W1's rows; bias2 kept on
-// rank 0 only (the all-reduce then adds it once). The result's scales are in the linear layout.
+// rank 0 only (the all-reduce then adds it once). The result's scales are in the linear layout (desc()
+// views its storage).
 // Also used for a shared expert (E = 1). Errors name `world`, `rank` or the offending tensor.
-ShardedWeights shard_weights_tp(const WeightsDesc& full, int rank, int world);
+OwnedWeights shard_weights_tp(const WeightsDesc& full, int rank, int world);
 
 // Experts [begin, begin + count) of host weights (all of I): the local weights of an EP rank.
-ShardedWeights slice_experts(const WeightsDesc& full, int64_t begin, int64_t count);
+OwnedWeights slice_experts(const WeightsDesc& full, int64_t begin, int64_t count);
 
 // An adapter with its own storage; `desc` views the vectors (move-only).
 struct ShardedAdapter {

@@ -7,10 +7,10 @@
 #include <algorithm>
 #include <mutex>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "common/activation.h"
+#include "common/parallel_for.h"
 #include "cuda/kernels.h"
 #include "fp4moe/plan.h"
 
@@ -58,17 +58,6 @@ template <class T> T* upload(const std::vector<T>& v, std::vector<void*>& allocs
   return static_cast<T*>(p);
 }
 
-// Runs fn(e) for every expert on a few host threads (the layout of each expert is independent).
-template <class F> void for_experts(int64_t E, F&& fn) {
-  const int nt = static_cast<int>(std::min<int64_t>(E, std::max(1u, std::min(8u, std::thread::hardware_concurrency()))));
-  std::vector<std::thread> pool;
-  for (int i = 0; i < nt; ++i)
-    pool.emplace_back([&, i] {
-      for (int64_t e = i; e < E; e += nt) fn(e);
-    });
-  for (auto& th : pool) th.join();
-}
-
 // NVFP4 [E][N][K/2] + scales [E][N][K/16] -> kernel layout (kernels.h). rowmap: prepared row -> source row.
 template <class RowMap>
 void layout_nvfp4(const uint8_t* q, const uint8_t* sf, int64_t E, int64_t N, int64_t K, RowMap rowmap,
@@ -76,7 +65,7 @@ void layout_nvfp4(const uint8_t* q, const uint8_t* sf, int64_t E, int64_t N, int
   const int64_t Kp = (K + 63) / 64 * 64, KB = Kp / 64, KQ = K / 2, KS = K / 16;
   data.assign(static_cast<size_t>(E * KB * N * 32), 0);
   sfo.assign(static_cast<size_t>(E * KB * N * 4), 0);
-  for_experts(E, [&](int64_t e) {
+  parallel_for(E, default_threads(8), [&](int64_t e) {  // experts are independent
     for (int64_t p = 0; p < N; ++p) {
       const int64_t src = rowmap(p);
       const uint8_t* qr = q + (e * N + src) * KQ;
@@ -102,7 +91,7 @@ void layout_bf16(const uint16_t* w, int64_t E, int64_t N, int64_t K, RowMap rowm
   const int64_t Kp = (K + 63) / 64 * 64, KB = Kp / 64;
   static constexpr int kQ[4] = {0, 1, 8, 9};
   data.assign(static_cast<size_t>(E * KB * N * 64), 0);
-  for_experts(E, [&](int64_t e) {
+  parallel_for(E, default_threads(8), [&](int64_t e) {  // experts are independent
     for (int64_t p = 0; p < N; ++p) {
       const uint16_t* r = w + (e * N + rowmap(p)) * K;
       for (int64_t kb = 0; kb < KB; ++kb) {
@@ -406,6 +395,32 @@ class Workspace {
   cudaStream_t stream_;
 };
 
+// What the GEMM epilogues take from the weights (routed experts or the shared expert); the caller adds the
+// per-call parts (outputs, row scales, LoRA, activation parameters).
+Epilogue1Params epilogue1_for(const DeviceWeights& d, uint16_t* out, int token_div, const float* row_scale) {
+  Epilogue1Params e;
+  e.s_even = d.s1_even;
+  e.s_odd = d.s1_odd;
+  e.bias = d.bias1;
+  e.gate_first = d.order == GateUpOrder::GateFirst;
+  e.I = static_cast<int>(d.I);
+  e.N1 = static_cast<int>(d.N1);
+  e.out = out;
+  e.token_div = token_div;
+  e.row_scale = row_scale;
+  return e;
+}
+Epilogue2Params epilogue2_for(const DeviceWeights& d, float* out, int token_div, float in_scale) {
+  Epilogue2Params e;
+  e.s2 = d.s2;
+  e.in_scale = in_scale;
+  e.bias = d.bias2;
+  e.out = out;
+  e.H = static_cast<int>(d.H);
+  e.token_div = token_div;
+  return e;
+}
+
 GemmProblem dense_problem(const uint16_t* A, int64_t lda, int K, int rows, const DeviceMatrix& B) {
   GemmProblem g;
   g.A = A;
@@ -526,6 +541,20 @@ void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& a
     return L;
   };
 
+  // A4: GEMM1's bf16 output a [rows, width] -> NVFP4 values in place, with the FC2 input encode scale
+  // (row_count: the routed rows actually present, on the device; null: all rows).
+  auto quantize_fc2_input = [&](uint16_t* a, int64_t width, int rows, const int32_t* row_count) {
+    QuantizeParams qp;
+    qp.x = a;
+    qp.ldx = width;
+    qp.out = a;
+    qp.rows = rows;
+    qp.K = static_cast<int>(width);
+    qp.row_count = row_count;
+    qp.gs = 1.f / args.fc2_input_scale;
+    launch_quantize(qp, stream);
+  };
+
   for (int64_t c = 0; c < plan.num_chunks; ++c) {
     const int64_t t0 = c * plan.chunk_tokens;
     const int tc = static_cast<int>(std::min<int64_t>(plan.chunk_tokens, T - t0));
@@ -632,23 +661,14 @@ void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& a
     g1.expert_offsets = expert_offsets;
     g1.max_tiles = static_cast<int>(plan.max_m_tiles);
     g1.B = dw->w1;
-    Epilogue1Params e1;
-    e1.s_even = dw->s1_even;
-    e1.s_odd = dw->s1_odd;
-    e1.row_scale = a4 ? x_scale : nullptr;
-    e1.token_div = static_cast<int>(k);
-    e1.bias = dw->bias1;
+    Epilogue1Params e1 = epilogue1_for(*dw, act_buf, static_cast<int>(k), a4 ? x_scale : nullptr);
     e1.delta = args.gate_up_lora_delta.present() ? static_cast<const uint16_t*>(args.gate_up_lora_delta.data) + t0 * k * N1
                                                  : nullptr;
-    e1.gate_first = dw->order == GateUpOrder::GateFirst;
     e1.alpha = args.activation.alpha.present() ? static_cast<const float*>(args.activation.alpha.data) : nullptr;
     e1.beta = args.activation.beta.present() ? static_cast<const float*>(args.activation.beta.data) : nullptr;
     e1.limit = args.activation.clamp_limit.present() ? static_cast<const float*>(args.activation.clamp_limit.data) : nullptr;
     e1.defaults = defaults;
-    e1.out = act_buf;
     e1.act_out = act_out;
-    e1.I = static_cast<int>(I);
-    e1.N1 = static_cast<int>(N1);
     e1.lora = expand(lora_t1, plan.lora_r1_stride, kLoraGateUp);
     launch_gemm1(plan.gemm_config, w.format, s.activation, g1, e1, static_cast<int>(plan.n1_tiles),
                  static_cast<int>(plan.max_m_tiles), stream);
@@ -673,17 +693,7 @@ void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& a
     }
 
     // 5. A4: a -> NVFP4 values with the FC2 input encode scale.
-    if (a4) {
-      QuantizeParams qp;
-      qp.x = act_buf;
-      qp.ldx = I;
-      qp.out = act_buf;
-      qp.rows = rows;
-      qp.K = static_cast<int>(I);
-      qp.row_count = expert_offsets + w.E;
-      qp.gs = 1.f / args.fc2_input_scale;
-      launch_quantize(qp, stream);
-    }
+    if (a4) quantize_fc2_input(act_buf, I, rows, expert_offsets + w.E);
 
     // 6. GEMM2: o per (token, slot) entry.
     GemmProblem g2 = g1;
@@ -692,13 +702,7 @@ void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& a
     g2.K = static_cast<int>(I);
     g2.gather_k = 0;
     g2.B = dw->w2;
-    Epilogue2Params e2;
-    e2.s2 = dw->s2;
-    e2.in_scale = fc2_scale;
-    e2.bias = dw->bias2;
-    e2.out = out_buf;
-    e2.H = static_cast<int>(H);
-    e2.token_div = static_cast<int>(k);
+    Epilogue2Params e2 = epilogue2_for(*dw, out_buf, static_cast<int>(k), fc2_scale);
     e2.lora = expand(lora_t2, plan.lora_r2_stride, kLoraDown);
     launch_gemm2(plan.gemm_config, w.format, g2, e2, static_cast<int>(plan.n2_tiles), static_cast<int>(plan.max_m_tiles),
                  stream);
@@ -707,17 +711,8 @@ void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& a
     if (sw) {
       const int64_t Is = sw->I;
       GemmProblem gs1 = dense_problem(a_in, H, static_cast<int>(H), tc, sw->w1);
-      Epilogue1Params es1;
-      es1.s_even = sw->s1_even;
-      es1.s_odd = sw->s1_odd;
-      es1.row_scale = a4 ? x_scale : nullptr;
-      es1.token_div = 1;
-      es1.bias = sw->bias1;
-      es1.gate_first = sw->order == GateUpOrder::GateFirst;
+      Epilogue1Params es1 = epilogue1_for(*sw, shared_act, 1, a4 ? x_scale : nullptr);
       es1.defaults = shared_params;
-      es1.out = shared_act;
-      es1.I = static_cast<int>(Is);
-      es1.N1 = static_cast<int>(sw->N1);
       es1.lora = expand(lora_st1, plan.lora_r2_stride, kLoraSharedGateUp);
       launch_gemm1(plan.gemm_config, sw->format, s.activation, gs1, es1, static_cast<int>(plan.shared_n1_tiles),
                    static_cast<int>(plan.shared_m_tiles), stream);
@@ -733,24 +728,9 @@ void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& a
         lp.t_stride = static_cast<int>(plan.lora_r2_stride);
         launch_lora_shrink2(lp, plan.lora_shrink2_threads, stream);
       }
-      if (a4) {
-        QuantizeParams qp;
-        qp.x = shared_act;
-        qp.ldx = Is;
-        qp.out = shared_act;
-        qp.rows = tc;
-        qp.K = static_cast<int>(Is);
-        qp.gs = 1.f / args.fc2_input_scale;
-        launch_quantize(qp, stream);
-      }
+      if (a4) quantize_fc2_input(shared_act, Is, tc, nullptr);
       GemmProblem gs2 = dense_problem(shared_act, Is, static_cast<int>(Is), tc, sw->w2);
-      Epilogue2Params es2;
-      es2.s2 = sw->s2;
-      es2.in_scale = fc2_scale;
-      es2.bias = sw->bias2;
-      es2.out = shared_out;
-      es2.H = static_cast<int>(H);
-      es2.token_div = 1;
+      Epilogue2Params es2 = epilogue2_for(*sw, shared_out, 1, fc2_scale);
       es2.lora = expand(lora_st2, plan.lora_r2_stride, kLoraSharedDown);
       launch_gemm2(plan.gemm_config, sw->format, gs2, es2, static_cast<int>(plan.n2_tiles),
                    static_cast<int>(plan.shared_m_tiles), stream);

@@ -32,7 +32,6 @@ template <int BM> __device__ __forceinline__ bool resolve_tile(const GemmProblem
   return true;
 }
 
-__device__ __forceinline__ int entry_of(const GemmProblem& g, int r) { return g.row_entry ? g.row_entry[r] : r; }
 
 // The LoRA expand of one output row: its adapter's B_e (rows of length r) and shrink row t; r = 0 when
 // the row has no delta (base token, no such projection, SharedOuter down, or no LoRA in the call).

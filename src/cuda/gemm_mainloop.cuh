@@ -74,18 +74,20 @@ __device__ __forceinline__ void load_tile_stage(uint8_t* smem, int stage, int kb
   }
 }
 
+// The (token, slot) entry of permuted row r (dense problems: the row itself).
+__device__ __forceinline__ int entry_of(const GemmProblem& g, int r) { return g.row_entry ? g.row_entry[r] : r; }
+
 // The A rows of a tile for this thread's chunks: row i of the tile is permuted row row0 + i, whose A row is
 // its token (gather_k: entry / k) or itself.
-template <class Cfg, class Problem, class Rows>
-__device__ __forceinline__ ARows<Cfg> tile_arows(const Problem& g, const Rows& tr) {
+template <class Cfg, class Rows>
+__device__ __forceinline__ ARows<Cfg> tile_arows(const GemmProblem& g, const Rows& tr) {
   ARows<Cfg> arows;
 #pragma unroll
   for (int i = 0; i < Cfg::A_CHUNKS; ++i) {
     const int r = tr.row0 + ((threadIdx.x + i * Cfg::THREADS) >> 3);
     arows.ptr[i] = nullptr;
     if (r < tr.row_end) {
-      const int entry = g.row_entry ? g.row_entry[r] : r;
-      const int arow = g.gather_k ? entry / g.gather_k : r;
+      const int arow = g.gather_k ? entry_of(g, r) / g.gather_k : r;
       arows.ptr[i] = g.A + static_cast<int64_t>(arow) * g.lda;
     }
   }

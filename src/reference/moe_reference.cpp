@@ -13,15 +13,12 @@
 #endif
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <exception>
-#include <mutex>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "common/activation.h"
+#include "common/parallel_for.h"
 #include "fp4moe/nvfp4.h"
 #include "reference/reference.h"
 #include "runtime/host_tensor.h"
@@ -31,11 +28,8 @@
 #endif
 
 namespace fp4moe::reference {
+using detail::invalid;
 namespace {
-
-[[noreturn]] void fail(const std::string& arg, const std::string& what) {
-  throw Error(ErrorCode::InvalidArgument, arg, what);
-}
 
 constexpr int kLanes = 4;   // pairs computed side by side (independent accumulators)
 constexpr int kRows = 4;    // weight rows decoded and used together
@@ -86,29 +80,17 @@ struct Mat {
   }
 };
 
-Mat w1_of(const PreparedWeights& w, int64_t e) {
+// Expert e's W1 [N1, H] or W2 [H, I] (its quantized codes and scales, or bf16 values).
+Mat mat_of(const PreparedWeights& w, int64_t e, bool w1) {
   Mat m;
   m.fp4 = w.format == WeightFormat::NVFP4;
-  m.N = w.n1();
-  m.K = w.H;
+  m.N = w1 ? w.n1() : w.H;
+  m.K = w1 ? w.H : w.I;
   if (m.fp4) {
-    m.q = w.w1_q.data() + e * m.N * (m.K / 2);
-    m.sf = w.w1_sf.data() + e * m.N * (m.K / 16);
+    m.q = (w1 ? w.w1_q : w.w2_q).data() + e * m.N * (m.K / 2);
+    m.sf = (w1 ? w.w1_sf : w.w2_sf).data() + e * m.N * (m.K / 16);
   } else {
-    m.bf = w.w1_bf16.data() + e * m.N * m.K;
-  }
-  return m;
-}
-Mat w2_of(const PreparedWeights& w, int64_t e) {
-  Mat m;
-  m.fp4 = w.format == WeightFormat::NVFP4;
-  m.N = w.H;
-  m.K = w.I;
-  if (m.fp4) {
-    m.q = w.w2_q.data() + e * m.N * (m.K / 2);
-    m.sf = w.w2_sf.data() + e * m.N * (m.K / 16);
-  } else {
-    m.bf = w.w2_bf16.data() + e * m.N * m.K;
+    m.bf = (w1 ? w.w1_bf16 : w.w2_bf16).data() + e * m.N * m.K;
   }
   return m;
 }
@@ -345,7 +327,7 @@ template <class Acc> void Runner<Acc>::run_job(const Job& job) {
     for (int64_t h = 0; h < H; ++h) dst[h * kLanes] = static_cast<Acc>(row[h]);
   }
   std::vector<Acc> hbuf(static_cast<size_t>(np * N1));
-  gemm<Acc>(w1_of(W, e), xt, np, hbuf.data(), N1);
+  gemm<Acc>(mat_of(W, e, true), xt, np, hbuf.data(), N1);
 
   // Steps 2-4 per pair, then the GEMM2 input tiles.
   std::vector<Acc> at_tiles(static_cast<size_t>(ntiles * I * kLanes), Acc(0));
@@ -432,7 +414,7 @@ template <class Acc> void Runner<Acc>::run_job(const Job& job) {
   // Step 5: GEMM2, scale (times fc2_input_scale in A4), bias, down LoRA delta.
   Acc* out_base = shared ? shared_out_.data() : pair_out_.data();
   std::vector<Acc> obuf(static_cast<size_t>(np * H));
-  gemm<Acc>(w2_of(W, e), at_tiles, np, obuf.data(), H);
+  gemm<Acc>(mat_of(W, e, false), at_tiles, np, obuf.data(), H);
   const Acc s_dn = static_cast<Acc>(W.w2_s2[e]) * static_cast<Acc>(a4_ ? a_.fc2_input_scale : 1.f);
   for (int64_t p = 0; p < np; ++p) {
     const LoraUse& L = lora[p];
@@ -493,36 +475,6 @@ template <class Acc> void Runner<Acc>::combine(int64_t t) {
   }
 }
 
-// Runs fn(i) for i in [0, n) on up to `threads` std::threads, taking indices in order; rethrows the
-// first exception. Which thread runs which index does not change any result.
-template <class F> void parallel_for(int64_t n, int threads, F&& fn) {
-  const int nt = static_cast<int>(std::min<int64_t>(threads, n));
-  if (nt <= 1) {
-    for (int64_t i = 0; i < n; ++i) fn(i);
-    return;
-  }
-  std::atomic<int64_t> next{0};
-  std::exception_ptr err;
-  std::mutex err_mu;
-  auto worker = [&] {
-    for (;;) {
-      const int64_t i = next.fetch_add(1);
-      if (i >= n) return;
-      try {
-        fn(i);
-      } catch (...) {
-        std::lock_guard<std::mutex> lk(err_mu);
-        if (!err) err = std::current_exception();
-        next.store(n);
-      }
-    }
-  };
-  std::vector<std::thread> pool;
-  for (int i = 0; i < nt; ++i) pool.emplace_back(worker);
-  for (auto& th : pool) th.join();
-  if (err) std::rethrow_exception(err);
-}
-
 template <class Acc> void Runner<Acc>::run() {
   setup();
   if (T_ == 0) return;
@@ -553,8 +505,7 @@ template <class Acc> void Runner<Acc>::run() {
   // Larger jobs first for a better balance (the order changes no result).
   std::stable_sort(jobs.begin(), jobs.end(), [](const Job& a, const Job& b) { return a.pairs.size() > b.pairs.size(); });
 
-  int threads = a_.num_threads > 0 ? a_.num_threads : static_cast<int>(std::thread::hardware_concurrency());
-  threads = std::max(threads, 1);
+  const int threads = a_.num_threads > 0 ? a_.num_threads : default_threads(1 << 16);
 
   // activation_out: slots whose expert lives on another rank are written 0.
   if (a_.activation_out.present()) {
@@ -571,9 +522,9 @@ template <class Acc> void Runner<Acc>::run() {
 }
 
 void check_weights(const PreparedWeights& w) {
-  if (w.E < 1 || w.H < 16 || w.I < 16 || w.H % 16 || w.I % 16) fail("weights", "bad prepared sizes");
+  if (w.E < 1 || w.H < 16 || w.I < 16 || w.H % 16 || w.I % 16) invalid("weights", "bad prepared sizes");
   const auto need = [](size_t have, int64_t want, const char* what) {
-    if (static_cast<int64_t>(have) != want) fail("weights", std::string("prepared array ") + what + " has the wrong size");
+    if (static_cast<int64_t>(have) != want) invalid("weights", std::string("prepared array ") + what + " has the wrong size");
   };
   const int64_t E = w.E, N1 = w.n1(), H = w.H, I = w.I;
   if (w.format == WeightFormat::NVFP4) {
@@ -634,10 +585,10 @@ void run_chunked(const PreparedWeights& w, const MoeArgs& args, const AdapterSna
                  int64_t max_tokens_per_chunk) {
   check_weights(w);
   if (args.shared_expert) {
-    if (!args.shared_expert->valid()) fail("shared_expert", "not prepared");
+    if (!args.shared_expert->valid()) invalid("shared_expert", "not prepared");
     check_weights(args.shared_expert->impl());
   }
-  if (max_tokens_per_chunk < 1) fail("max_tokens_per_chunk", "expected >= 1");
+  if (max_tokens_per_chunk < 1) invalid("max_tokens_per_chunk", "expected >= 1");
   if (args.precision == Precision::Fp64) run_precision<double>(w, args, adapters, max_tokens_per_chunk);
   else run_precision<float>(w, args, adapters, max_tokens_per_chunk);
 }

@@ -7,13 +7,11 @@
 #include <vector>
 
 #include "reference/reference.h"
+#include "runtime/host_tensor.h"
 
 namespace fp4moe::reference {
+using detail::invalid;
 namespace {
-
-[[noreturn]] void fail(const std::string& arg, const std::string& what) {
-  throw Error(ErrorCode::InvalidArgument, arg, what);
-}
 
 float sigmoidf(float v) { return 1.f / (1.f + std::exp(-v)); }
 
@@ -41,21 +39,21 @@ void top_k(const std::vector<float>& score, std::vector<int32_t>& cand, int64_t 
 }
 
 void check_view2(const TensorView& v, const char* name, int64_t T, int64_t n, std::initializer_list<DType> dt) {
-  if (!v.present()) fail(name, "is required but absent");
-  if (v.device != Backend::CPU) fail(name, "the reference reads host tensors only");
-  if (std::find(dt.begin(), dt.end(), v.dtype) == dt.end()) fail(name, std::string("unexpected dtype ") + to_string(v.dtype));
+  if (!v.present()) invalid(name, "is required but absent");
+  if (v.device != Backend::CPU) invalid(name, "the reference reads host tensors only");
+  if (std::find(dt.begin(), dt.end(), v.dtype) == dt.end()) invalid(name, std::string("unexpected dtype ") + to_string(v.dtype));
   if (v.ndim != 2 || v.shape[0] != T || v.shape[1] != n)
-    fail(name, "expected shape [" + std::to_string(T) + ", " + std::to_string(n) + "], got " + v.shape_str());
+    invalid(name, "expected shape [" + std::to_string(T) + ", " + std::to_string(n) + "], got " + v.shape_str());
 }
 
 }  // namespace
 
 void route(const RoutingArgs& r, int64_t T, int64_t E, int32_t* ids, float* weights) {
   const int64_t k = r.top_k;
-  if (T < 0) fail("T", "negative token count");
-  if (E < 1) fail("num_experts_total", "expected >= 1, got " + std::to_string(E));
-  if (k < 1 || k > E) fail("routing.top_k", "expected 1 <= top_k <= " + std::to_string(E) + ", got " + std::to_string(k));
-  if (T > 0 && (!ids || !weights)) fail("topk_ids_out", "output pointers are null");
+  if (T < 0) invalid("T", "negative token count");
+  if (E < 1) invalid("num_experts_total", "expected >= 1, got " + std::to_string(E));
+  if (k < 1 || k > E) invalid("routing.top_k", "expected 1 <= top_k <= " + std::to_string(E) + ", got " + std::to_string(k));
+  if (T > 0 && (!ids || !weights)) invalid("topk_ids_out", "output pointers are null");
 
   // Precomputed routing passes through unchanged.
   if (!r.logits.present()) {
@@ -72,16 +70,16 @@ void route(const RoutingArgs& r, int64_t T, int64_t E, int32_t* ids, float* weig
   check_view2(r.logits, "routing.logits", T, E, {DType::F32, DType::BF16});
   const bool uses_bias = r.method == RoutingMethod::DeepSeekV3 || r.method == RoutingMethod::MiniMax2;
   if (r.bias.present()) {
-    if (r.bias.device != Backend::CPU) fail("routing.bias", "the reference reads host tensors only");
+    if (r.bias.device != Backend::CPU) invalid("routing.bias", "the reference reads host tensors only");
     if (r.bias.ndim != 1 || r.bias.shape[0] != E || (r.bias.dtype != DType::F32 && r.bias.dtype != DType::BF16))
-      fail("routing.bias", "expected float32 [" + std::to_string(E) + "], got " + r.bias.shape_str());
+      invalid("routing.bias", "expected float32 [" + std::to_string(E) + "], got " + r.bias.shape_str());
   }
-  if (r.method == RoutingMethod::Llama4 && k != 1) fail("routing.top_k", "Llama4 routing takes top_k = 1");
+  if (r.method == RoutingMethod::Llama4 && k != 1) invalid("routing.top_k", "Llama4 routing takes top_k = 1");
   const bool grouped = r.method == RoutingMethod::DeepSeekV3 && r.n_group > 1;
   if (grouped) {
-    if (E % r.n_group != 0) fail("routing.n_group", "must divide the number of experts");
-    if (r.topk_group < 1 || r.topk_group > r.n_group) fail("routing.topk_group", "expected 1 <= topk_group <= n_group");
-    if (k > r.topk_group * (E / r.n_group)) fail("routing.top_k", "top_k exceeds the experts in the kept groups");
+    if (E % r.n_group != 0) invalid("routing.n_group", "must divide the number of experts");
+    if (r.topk_group < 1 || r.topk_group > r.n_group) invalid("routing.topk_group", "expected 1 <= topk_group <= n_group");
+    if (k > r.topk_group * (E / r.n_group)) invalid("routing.top_k", "top_k exceeds the experts in the kept groups");
   }
   const float rsf = r.routed_scaling_factor;
 
@@ -178,7 +176,7 @@ void route(const RoutingArgs& r, int64_t T, int64_t E, int32_t* ids, float* weig
         break;
       }
       default:
-        fail("routing.method", "unknown routing method " + std::to_string(static_cast<int>(r.method)));
+        invalid("routing.method", "unknown routing method " + std::to_string(static_cast<int>(r.method)));
     }
   }
 }

@@ -16,15 +16,12 @@
 #endif
 
 namespace fp4moe {
+using detail::invalid;
 
 namespace {
 
 constexpr int kMaxRank = 64;
 constexpr int kMaxSlots = 1 << 16;
-
-[[noreturn]] void bad(const std::string& name, const std::string& what) {
-  throw Error(ErrorCode::InvalidArgument, name, what);
-}
 
 // A bf16 matrix stack read from the caller, shape-checked.
 std::vector<uint16_t> read_bf16(const TensorView& v, const char* name, std::initializer_list<int64_t> shape) {
@@ -35,14 +32,14 @@ std::vector<uint16_t> read_bf16(const TensorView& v, const char* name, std::init
 
 void require_absent(const TensorView& v, const char* name, const char* layout) {
   if (v.present())
-    bad(name, std::string("expected no tensor for layout ") + layout + ", got one of shape " +
+    invalid(name, std::string("expected no tensor for layout ") + layout + ", got one of shape " +
                   detail::view_shape_str(v));
 }
 
 // Both halves of an A/B pair must be given together.
 bool pair_present(const TensorView& a, const char* a_name, const TensorView& b, const char* b_name) {
-  if (a.present() && !b.present()) bad(b_name, std::string("expected a tensor (") + a_name + " is given), got none");
-  if (b.present() && !a.present()) bad(a_name, std::string("expected a tensor (") + b_name + " is given), got none");
+  if (a.present() && !b.present()) invalid(b_name, std::string("expected a tensor (") + a_name + " is given), got none");
+  if (b.present() && !a.present()) invalid(a_name, std::string("expected a tensor (") + b_name + " is given), got none");
   return a.present();
 }
 
@@ -92,20 +89,20 @@ struct AdapterRegistry::State {
 
 AdapterRegistry::AdapterRegistry(const MoeWeights& layer, int num_slots, const MoeWeights* shared_expert)
     : state_(std::make_unique<State>()) {
-  if (!layer.valid()) bad("layer", "expected prepared weights, got an empty MoeWeights");
+  if (!layer.valid()) invalid("layer", "expected prepared weights, got an empty MoeWeights");
   if (num_slots <= 0 || num_slots > kMaxSlots)
-    bad("num_slots", "expected 1.." + std::to_string(kMaxSlots) + ", got " + std::to_string(num_slots));
+    invalid("num_slots", "expected 1.." + std::to_string(kMaxSlots) + ", got " + std::to_string(num_slots));
   if (shared_expert) {
-    if (!shared_expert->valid()) bad("shared_expert", "expected prepared weights, got an empty MoeWeights");
+    if (!shared_expert->valid()) invalid("shared_expert", "expected prepared weights, got an empty MoeWeights");
     const PreparedWeights& s = shared_expert->impl();
     const PreparedWeights& l = layer.impl();
-    if (s.E != 1) bad("shared_expert", "expected a single (dense) expert, got " + std::to_string(s.E) + " experts");
+    if (s.E != 1) invalid("shared_expert", "expected a single (dense) expert, got " + std::to_string(s.E) + " experts");
     if (s.H != l.H)
-      bad("shared_expert", "expected hidden " + std::to_string(l.H) + " (the layer's), got " + std::to_string(s.H));
+      invalid("shared_expert", "expected hidden " + std::to_string(l.H) + " (the layer's), got " + std::to_string(s.H));
     if (s.gated != l.gated)
-      bad("shared_expert", std::string("expected ") + (l.gated ? "gated" : "non-gated") + " weights like the layer's");
+      invalid("shared_expert", std::string("expected ") + (l.gated ? "gated" : "non-gated") + " weights like the layer's");
     if (s.backend != l.backend || s.device_id != l.device_id)
-      bad("shared_expert", "expected the layer's backend and device");
+      invalid("shared_expert", "expected the layer's backend and device");
     state_->shared = *shared_expert;
   }
   state_->layer = layer;
@@ -122,10 +119,10 @@ Backend AdapterRegistry::backend() const { return state_->layer.backend(); }
 std::shared_ptr<const PreparedAdapter> AdapterRegistry::State::convert(const LoraAdapterDesc& d) const {
   const PreparedWeights& w = layer.impl();
   if (d.layout != LoraLayout::PerExpert && d.layout != LoraLayout::PeftFused && d.layout != LoraLayout::SharedOuter)
-    bad("layout", "expected PerExpert, PeftFused or SharedOuter, got " + std::to_string(static_cast<int>(d.layout)));
+    invalid("layout", "expected PerExpert, PeftFused or SharedOuter, got " + std::to_string(static_cast<int>(d.layout)));
   if (d.rank < 1 || d.rank > kMaxRank)
-    bad("rank", "expected 1.." + std::to_string(kMaxRank) + ", got " + std::to_string(d.rank));
-  if (!std::isfinite(d.lora_alpha)) bad("lora_alpha", "expected a finite value, got " + std::to_string(d.lora_alpha));
+    invalid("rank", "expected 1.." + std::to_string(kMaxRank) + ", got " + std::to_string(d.rank));
+  if (!std::isfinite(d.lora_alpha)) invalid("lora_alpha", "expected a finite value, got " + std::to_string(d.lora_alpha));
 
   auto a = std::make_shared<PreparedAdapter>();
   const int64_t E = w.E, H = w.H, I = w.I, N1 = w.n1(), r = d.rank;
@@ -149,7 +146,7 @@ std::shared_ptr<const PreparedAdapter> AdapterRegistry::State::convert(const Lor
     bool u = false;
     if (w.gated) {
       u = pair_present(d.a_up, "a_up", d.b_up, "b_up");
-      if (g != u) bad(g ? "a_up" : "a_gate", "expected gate and up LoRA together (gated layer), got only one");
+      if (g != u) invalid(g ? "a_up" : "a_gate", "expected gate and up LoRA together (gated layer), got only one");
     } else {
       require_absent(d.a_up, "a_up", "PerExpert on a non-gated layer");
       require_absent(d.b_up, "b_up", "PerExpert on a non-gated layer");
@@ -219,7 +216,7 @@ std::shared_ptr<const PreparedAdapter> AdapterRegistry::State::convert(const Lor
   const bool sd = pair_present(d.shared_a_down, "shared_a_down", d.shared_b_down, "shared_b_down");
   if (sg || sd) {
     if (!shared)
-      bad(sg ? "shared_a_gate_up" : "shared_a_down",
+      invalid(sg ? "shared_a_gate_up" : "shared_a_down",
           "expected no shared-expert LoRA (the registry was built without a shared expert), got one");
     const PreparedWeights& sw = shared->impl();
     a->has_shared = true;
@@ -247,7 +244,7 @@ std::shared_ptr<const PreparedAdapter> AdapterRegistry::State::convert(const Lor
 
 void AdapterRegistry::load(int slot, const LoraAdapterDesc& adapter) {
   if (slot < 0 || slot >= state_->num_slots)
-    bad("slot", "expected 0.." + std::to_string(state_->num_slots - 1) + ", got " + std::to_string(slot));
+    invalid("slot", "expected 0.." + std::to_string(state_->num_slots - 1) + ", got " + std::to_string(slot));
   // Convert outside the lock: it copies and (for CUDA) uploads, and must not stall snapshot().
   std::shared_ptr<const PreparedAdapter> prepared = state_->convert(adapter);
   std::lock_guard<std::mutex> lock(state_->mu);
@@ -258,7 +255,7 @@ void AdapterRegistry::load(int slot, const LoraAdapterDesc& adapter) {
 
 void AdapterRegistry::unload(int slot) {
   if (slot < 0 || slot >= state_->num_slots)
-    bad("slot", "expected 0.." + std::to_string(state_->num_slots - 1) + ", got " + std::to_string(slot));
+    invalid("slot", "expected 0.." + std::to_string(state_->num_slots - 1) + ", got " + std::to_string(slot));
   std::lock_guard<std::mutex> lock(state_->mu);
   if (!(*state_->table)[static_cast<size_t>(slot)])
     throw Error(ErrorCode::NotFound, "slot", "expected a loaded adapter in slot " + std::to_string(slot) + ", got an empty slot");
@@ -269,7 +266,7 @@ void AdapterRegistry::unload(int slot) {
 
 bool AdapterRegistry::loaded(int slot) const {
   if (slot < 0 || slot >= state_->num_slots)
-    bad("slot", "expected 0.." + std::to_string(state_->num_slots - 1) + ", got " + std::to_string(slot));
+    invalid("slot", "expected 0.." + std::to_string(state_->num_slots - 1) + ", got " + std::to_string(slot));
   std::lock_guard<std::mutex> lock(state_->mu);
   return (*state_->table)[static_cast<size_t>(slot)] != nullptr;
 }

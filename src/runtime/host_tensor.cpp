@@ -10,13 +10,7 @@
 
 namespace fp4moe::detail {
 
-namespace {
-
-[[noreturn]] void fail(const std::string& name, const std::string& what) {
-  throw Error(ErrorCode::InvalidArgument, name, what);
-}
-
-}  // namespace
+void invalid(const std::string& arg, const std::string& what) { throw Error(ErrorCode::InvalidArgument, arg, what); }
 
 std::string shape_list_str(std::initializer_list<int64_t> shape) {
   std::string s = "[";
@@ -40,15 +34,15 @@ std::string view_shape_str(const TensorView& v) {
 }
 
 void check_view(const TensorView& v, const std::string& name, std::initializer_list<DType> dtypes) {
-  if (!v.present()) fail(name, "expected a tensor, got none");
+  if (!v.present()) invalid(name, "expected a tensor, got none");
   if (v.ndim < 0 || v.ndim > TensorView::kMaxDims)
-    fail(name, "expected 0.." + std::to_string(TensorView::kMaxDims) + " dims, got ndim " + std::to_string(v.ndim));
+    invalid(name, "expected 0.." + std::to_string(TensorView::kMaxDims) + " dims, got ndim " + std::to_string(v.ndim));
   // Element count must fit comfortably in int64 (and in memory arithmetic with byte sizes).
   int64_t n = 1;
   for (int i = 0; i < v.ndim; ++i) {
-    if (v.shape[i] < 0) fail(name, "expected non-negative sizes, got shape " + view_shape_str(v));
+    if (v.shape[i] < 0) invalid(name, "expected non-negative sizes, got shape " + view_shape_str(v));
     if (v.shape[i] != 0 && n > (int64_t{1} << 48) / v.shape[i])
-      fail(name, "expected a tensor of at most 2^48 elements, got shape " + view_shape_str(v));
+      invalid(name, "expected a tensor of at most 2^48 elements, got shape " + view_shape_str(v));
     n *= v.shape[i];
   }
   bool ok = false;
@@ -58,15 +52,15 @@ void check_view(const TensorView& v, const std::string& name, std::initializer_l
     if (!allowed.empty()) allowed += " or ";
     allowed += to_string(d);
   }
-  if (!ok) fail(name, "expected dtype " + allowed + ", got " + to_string(v.dtype));
+  if (!ok) invalid(name, "expected dtype " + allowed + ", got " + to_string(v.dtype));
   if (v.device == Backend::CUDA) {
 #ifndef FP4MOE_WITH_CUDA
     throw Error(ErrorCode::Unsupported, name, "expected a host tensor (this build has no CUDA), got a CUDA tensor");
 #else
-    if (v.device_id < 0) fail(name, "expected a CUDA device id >= 0, got " + std::to_string(v.device_id));
+    if (v.device_id < 0) invalid(name, "expected a CUDA device id >= 0, got " + std::to_string(v.device_id));
 #endif
   } else if (v.device != Backend::CPU) {
-    fail(name, "expected a CPU or CUDA tensor, got device " + std::to_string(static_cast<int>(v.device)));
+    invalid(name, "expected a CPU or CUDA tensor, got device " + std::to_string(static_cast<int>(v.device)));
   }
 }
 
@@ -76,7 +70,7 @@ void check_shape(const TensorView& v, const std::string& name, std::initializer_
     int i = 0;
     for (int64_t d : shape) ok = ok && v.shape[i++] == d;
   }
-  if (!ok) fail(name, "expected shape " + shape_list_str(shape) + ", got " + view_shape_str(v));
+  if (!ok) invalid(name, "expected shape " + shape_list_str(shape) + ", got " + view_shape_str(v));
 }
 
 std::vector<uint8_t> gather_bytes(const TensorView& v, const std::string& name) {
@@ -144,13 +138,13 @@ std::vector<float> gather_f32(const TensorView& v, const std::string& name) {
       out[i] = bf16_bits_to_f32(b);
     }
   } else {
-    fail(name, std::string("expected dtype f32 or bf16, got ") + to_string(v.dtype));
+    invalid(name, std::string("expected dtype f32 or bf16, got ") + to_string(v.dtype));
   }
   return out;
 }
 
 std::vector<uint16_t> gather_u16(const TensorView& v, const std::string& name) {
-  if (dtype_size(v.dtype) != 2) fail(name, std::string("expected a 2-byte dtype, got ") + to_string(v.dtype));
+  if (dtype_size(v.dtype) != 2) invalid(name, std::string("expected a 2-byte dtype, got ") + to_string(v.dtype));
   std::vector<uint8_t> raw = gather_bytes(v, name);
   std::vector<uint16_t> out(static_cast<size_t>(v.numel()));
   std::memcpy(out.data(), raw.data(), raw.size());
@@ -158,7 +152,7 @@ std::vector<uint16_t> gather_u16(const TensorView& v, const std::string& name) {
 }
 
 std::vector<uint8_t> gather_u8(const TensorView& v, const std::string& name) {
-  if (dtype_size(v.dtype) != 1) fail(name, std::string("expected a 1-byte dtype, got ") + to_string(v.dtype));
+  if (dtype_size(v.dtype) != 1) invalid(name, std::string("expected a 1-byte dtype, got ") + to_string(v.dtype));
   return gather_bytes(v, name);
 }
 

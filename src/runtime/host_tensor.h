@@ -11,6 +11,9 @@
 
 namespace fp4moe::detail {
 
+// Throws Error(InvalidArgument) naming the argument `arg`: the one such helper of the library's sources.
+[[noreturn]] void invalid(const std::string& arg, const std::string& what);
+
 // "[a, b, c]" for a shape list.
 std::string shape_list_str(std::initializer_list<int64_t> shape);
 // The view's shape as "[a, b, c]" (independent of TensorView::shape_str so these checks stand alone).

@@ -1,6 +1,7 @@
 #include "runtime/json.h"
 
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 
 #include "fp4moe/types.h"
@@ -239,6 +240,23 @@ const char* kind_name(Value::Kind k) {
     case Value::Kind::Object: return "an object";
   }
   return "?";
+}
+
+std::string quote(std::string_view s) {
+  std::string o = "\"";
+  for (const char c : s) {
+    if (c == '"' || c == '\\') {
+      o += '\\';
+      o += c;
+    } else if (static_cast<unsigned char>(c) < 0x20) {
+      char buf[8];
+      std::snprintf(buf, sizeof buf, "\\u%04x", static_cast<unsigned>(static_cast<unsigned char>(c)));
+      o += buf;
+    } else {
+      o += c;
+    }
+  }
+  return o + "\"";
 }
 
 }  // namespace fp4moe::json

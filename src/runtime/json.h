@@ -1,5 +1,6 @@
 // A small, strict JSON parser for the files fp4moe reads itself (safetensors headers, PEFT
-// adapter_config.json). RFC 8259 grammar, bounded nesting depth, no trailing garbage.
+// adapter_config.json). RFC 8259 grammar, bounded nesting depth, no trailing garbage. And the one
+// string-literal writer of the JSON that fp4moe writes (safetensors headers, check and bench reports).
 #pragma once
 #include <cstdint>
 #include <string>
@@ -35,5 +36,8 @@ struct Value {
 Value parse(std::string_view text, const std::string& what);
 
 const char* kind_name(Value::Kind k);
+
+// `s` as a JSON string literal, quotes included: '"' and '\\' escaped, control characters as \u00XX.
+std::string quote(std::string_view s);
 
 }  // namespace fp4moe::json

@@ -15,34 +15,32 @@
 #include "fp4moe/nvfp4.h"
 #include "runtime/parallel_device.h"
 #include "runtime/prepared.h"
+#include "runtime/host_tensor.h"
 
 namespace fp4moe {
+using detail::invalid;
 namespace {
 
-[[noreturn]] void bad(const std::string& arg, const std::string& what) {
-  throw Error(ErrorCode::InvalidArgument, arg, what);
-}
-
 void check_rank_world(int rank, int world) {
-  if (world < 1) bad("world", "expected >= 1, got " + std::to_string(world));
+  if (world < 1) invalid("world", "expected >= 1, got " + std::to_string(world));
   if (rank < 0 || rank >= world)
-    bad("rank", "expected in [0, world=" + std::to_string(world) + "), got " + std::to_string(rank));
+    invalid("rank", "expected in [0, world=" + std::to_string(world) + "), got " + std::to_string(rank));
 }
 
 // A host, contiguous tensor of the expected dtype size and shape (numel when `shape` is empty).
 void check_host(const TensorView& v, const char* name, size_t elem_size, std::initializer_list<int64_t> shape) {
-  if (!v.present()) bad(name, "is required but absent");
-  if (v.device != Backend::CPU) bad(name, "expected a host tensor (the sharding helpers read host memory)");
+  if (!v.present()) invalid(name, "is required but absent");
+  if (v.device != Backend::CPU) invalid(name, "expected a host tensor (the sharding helpers read host memory)");
   if (dtype_size(v.dtype) != elem_size)
-    bad(name, std::string("expected ") + std::to_string(elem_size) + "-byte elements, got " + to_string(v.dtype));
-  if (!v.is_contiguous()) bad(name, "expected a contiguous tensor");
+    invalid(name, std::string("expected ") + std::to_string(elem_size) + "-byte elements, got " + to_string(v.dtype));
+  if (!v.is_contiguous()) invalid(name, "expected a contiguous tensor");
   int64_t n = 1;
   for (int64_t s : shape) n *= s;
   if (v.numel() != n) {
     std::string want = "[";
     for (int64_t s : shape) want += std::to_string(s) + ",";
     want.back() = ']';
-    bad(name, "expected shape " + want + " (" + std::to_string(n) + " elements), got " + v.shape_str());
+    invalid(name, "expected shape " + want + " (" + std::to_string(n) + " elements), got " + v.shape_str());
   }
 }
 
@@ -94,31 +92,32 @@ std::vector<uint8_t> linear_scales(const TensorView& sc, const char* name, Scale
 
 std::vector<float> copy_f32(const TensorView& v, const char* name, int64_t n) {
   check_host(v, name, 4, {n});
-  if (v.dtype != DType::F32) bad(name, std::string("expected float32, got ") + to_string(v.dtype));
+  if (v.dtype != DType::F32) invalid(name, std::string("expected float32, got ") + to_string(v.dtype));
   return std::vector<float>(v.as<float>(), v.as<float>() + n);
 }
 
 void check_common(const WeightsDesc& d) {
-  if (d.num_experts < 1) bad("num_experts", "expected >= 1, got " + std::to_string(d.num_experts));
-  if (d.hidden < 16 || d.hidden % 16) bad("hidden", "expected a positive multiple of 16, got " + std::to_string(d.hidden));
-  if (d.inter < 16 || d.inter % 16) bad("inter", "expected a positive multiple of 16, got " + std::to_string(d.inter));
+  if (d.num_experts < 1) invalid("num_experts", "expected >= 1, got " + std::to_string(d.num_experts));
+  if (d.hidden < 16 || d.hidden % 16) invalid("hidden", "expected a positive multiple of 16, got " + std::to_string(d.hidden));
+  if (d.inter < 16 || d.inter % 16) invalid("inter", "expected a positive multiple of 16, got " + std::to_string(d.inter));
 }
 
 // Copies / slices a WeightsDesc. rows1: W1 row ranges per half-block; cols2: W2 column range (elements);
 // experts: expert range; keep_bias2: whether bias2 survives.
-ShardedWeights cut(const WeightsDesc& d, Range experts, int64_t Inew, const std::vector<Range>& rows1, Range cols2,
+OwnedWeights cut(const WeightsDesc& d, Range experts, int64_t Inew, const std::vector<Range>& rows1, Range cols2,
                  bool keep_bias2) {
   check_common(d);
   const int64_t E = d.num_experts, H = d.hidden, I = d.inter, N1 = d.gated ? 2 * I : I;
-  const int64_t En = experts.len, N1n = d.gated ? 2 * Inew : Inew;
+  const int64_t En = experts.len;
   const std::vector<Range> ex = {experts};
-  ShardedWeights o;
-  WeightsDesc& n = o.desc;
-  n = d;
-  n.num_experts = En;
-  n.inter = Inew;
-  n.scale_layout = ScaleLayout::Linear;
-  n.w1 = n.w1_scale = n.w1_scale2 = n.w2 = n.w2_scale = n.w2_scale2 = n.bias1 = n.bias2 = TensorView{};
+  OwnedWeights o;
+  o.format = d.format;
+  o.order = d.order;
+  o.scale_layout = ScaleLayout::Linear;
+  o.gated = d.gated;
+  o.E = En;
+  o.H = H;
+  o.I = Inew;
   auto both = [&](const void* src, size_t es, std::vector<int64_t> shape, int dim, const std::vector<Range>& r) {
     std::vector<uint8_t> a = select(src, es, shape, 0, ex);
     shape[0] = En;
@@ -140,39 +139,26 @@ ShardedWeights cut(const WeightsDesc& d, Range experts, int64_t Inew, const std:
     o.w1_scale2.resize(static_cast<size_t>(En * per));
     o.w2_scale2 = copy_f32(d.w2_scale2, "w2_scale2", E);
     o.w2_scale2 = std::vector<float>(o.w2_scale2.begin() + experts.begin, o.w2_scale2.begin() + experts.begin + En);
-    n.w1 = make_view(o.w1.data(), DType::U8, {En, N1n, H / 2});
-    n.w1_scale = make_view(o.w1_scale.data(), DType::E4M3, {En, N1n, H / 16});
-    n.w1_scale2 = per == 2 ? make_view(o.w1_scale2.data(), DType::F32, {En, 2})
-                           : make_view(o.w1_scale2.data(), DType::F32, {En});
-    n.w2 = make_view(o.w2.data(), DType::U8, {En, H, Inew / 2});
-    n.w2_scale = make_view(o.w2_scale.data(), DType::E4M3, {En, H, Inew / 16});
-    n.w2_scale2 = make_view(o.w2_scale2.data(), DType::F32, {En});
   } else {
     check_host(d.w1, "w1", 2, {E, N1, H});
     check_host(d.w2, "w2", 2, {E, H, I});
-    o.w1 = both(d.w1.data, 2, {E, N1, H}, 1, rows1);
-    o.w2 = both(d.w2.data, 2, {E, H, I}, 2, {cols2});
-    n.w1 = make_view(o.w1.data(), DType::BF16, {En, N1n, H});
-    n.w2 = make_view(o.w2.data(), DType::BF16, {En, H, Inew});
+    o.w1_bf16 = as_vec<uint16_t>(both(d.w1.data, 2, {E, N1, H}, 1, rows1));
+    o.w2_bf16 = as_vec<uint16_t>(both(d.w2.data, 2, {E, H, I}, 2, {cols2}));
   }
   if (d.bias1.present()) {
     check_host(d.bias1, "bias1", 4, {E, N1});
     o.bias1 = as_vec<float>(both(d.bias1.data, 4, {E, N1}, 1, rows1));
-    n.bias1 = make_view(o.bias1.data(), DType::F32, {En, N1n});
   }
   if (d.bias2.present()) {
     check_host(d.bias2, "bias2", 4, {E, H});
-    if (keep_bias2) {
-      o.bias2 = as_vec<float>(select(d.bias2.data, 4, {E, H}, 0, ex));
-      n.bias2 = make_view(o.bias2.data(), DType::F32, {En, H});
-    }
+    if (keep_bias2) o.bias2 = as_vec<float>(select(d.bias2.data, 4, {E, H}, 0, ex));
   }
   return o;
 }
 
 int64_t tp_inter(int64_t I, int world) {
   if (I % world != 0 || (I / world) % 16 != 0)
-    bad("world", "I=" + std::to_string(I) + " split over world=" + std::to_string(world) +
+    invalid("world", "I=" + std::to_string(I) + " split over world=" + std::to_string(world) +
                      " must give a multiple of 16 per rank (whole NVFP4 blocks of 16 elements)");
   return I / world;
 }
@@ -183,12 +169,12 @@ struct AdapterBuilder {
   TensorView take(const TensorView& v, const char* name, std::vector<int64_t> shape, int dim,
                   const std::vector<Range>& ranges) {
     if (!v.present()) return TensorView{};
-    if (v.device != Backend::CPU) bad(name, "expected a host tensor");
-    if (v.dtype != DType::BF16) bad(name, std::string("expected bfloat16, got ") + to_string(v.dtype));
-    if (!v.is_contiguous()) bad(name, "expected a contiguous tensor");
+    if (v.device != Backend::CPU) invalid(name, "expected a host tensor");
+    if (v.dtype != DType::BF16) invalid(name, std::string("expected bfloat16, got ") + to_string(v.dtype));
+    if (!v.is_contiguous()) invalid(name, "expected a contiguous tensor");
     int64_t n = 1;
     for (int64_t s : shape) n *= s;
-    if (v.numel() != n) bad(name, "expected " + std::to_string(n) + " elements, got shape " + v.shape_str());
+    if (v.numel() != n) invalid(name, "expected " + std::to_string(n) + " elements, got shape " + v.shape_str());
     o.storage.push_back(as_vec<uint16_t>(select(v.data, 2, shape, dim, ranges)));
     int64_t out_len = 0;
     for (const Range& r : ranges) out_len += r.len;
@@ -213,7 +199,7 @@ int64_t dim_of(const TensorView& v, int i) { return v.present() && i < v.ndim ? 
 }  // namespace
 
 // ---- sharding -----------------------------------------------------------------------------------------
-ShardedWeights shard_weights_tp(const WeightsDesc& full, int rank, int world) {
+OwnedWeights shard_weights_tp(const WeightsDesc& full, int rank, int world) {
   check_rank_world(rank, world);
   check_common(full);
   const int64_t I = full.inter, Is = tp_inter(I, world);
@@ -222,10 +208,10 @@ ShardedWeights shard_weights_tp(const WeightsDesc& full, int rank, int world) {
   return cut(full, {0, full.num_experts}, Is, rows1, {rank * Is, Is}, rank == 0);
 }
 
-ShardedWeights slice_experts(const WeightsDesc& full, int64_t begin, int64_t count) {
+OwnedWeights slice_experts(const WeightsDesc& full, int64_t begin, int64_t count) {
   check_common(full);
   if (begin < 0 || count < 1 || begin + count > full.num_experts)
-    bad("begin", "expert range [" + std::to_string(begin) + ", " + std::to_string(begin + count) +
+    invalid("begin", "expert range [" + std::to_string(begin) + ", " + std::to_string(begin + count) +
                      ") not inside [0, " + std::to_string(full.num_experts) + ")");
   std::vector<Range> rows1 = {{0, full.gated ? 2 * full.inter : full.inter}};
   return cut(full, {begin, count}, full.inter, rows1, {0, full.inter}, true);
@@ -233,9 +219,9 @@ ShardedWeights slice_experts(const WeightsDesc& full, int64_t begin, int64_t cou
 
 ShardedAdapter shard_adapter_tp(const LoraAdapterDesc& d, int64_t inter, int rank, int world, int64_t shared_inter) {
   check_rank_world(rank, world);
-  if (inter < 16 || inter % 16) bad("inter", "expected a positive multiple of 16, got " + std::to_string(inter));
+  if (inter < 16 || inter % 16) invalid("inter", "expected a positive multiple of 16, got " + std::to_string(inter));
   const int64_t I = inter, Is = tp_inter(I, world), r = d.rank;
-  if (r < 1) bad("rank", "the adapter's LoRA rank must be >= 1, got " + std::to_string(r));
+  if (r < 1) invalid("rank", "the adapter's LoRA rank must be >= 1, got " + std::to_string(r));
   ShardedAdapter o;
   o.desc = d;
   AdapterBuilder b{o};
@@ -257,7 +243,7 @@ ShardedAdapter shard_adapter_tp(const LoraAdapterDesc& d, int64_t inter, int ran
     const int64_t E = dim_of(d.b_gate_up, 0);
     if (d.b_gate_up.present()) {
       const int64_t N1 = dim_of(d.b_gate_up, 1);
-      if (N1 != I && N1 != 2 * I) bad("b_gate_up", "expected [E, 2I or I, r] with I=" + std::to_string(I) + ", got " + d.b_gate_up.shape_str());
+      if (N1 != I && N1 != 2 * I) invalid("b_gate_up", "expected [E, 2I or I, r] with I=" + std::to_string(I) + ", got " + d.b_gate_up.shape_str());
       o.desc.b_gate_up = b.take(d.b_gate_up, "b_gate_up", {E, N1, r}, 1, N1 == 2 * I ? halves : one);
     }
   }
@@ -271,13 +257,13 @@ ShardedAdapter shard_adapter_tp(const LoraAdapterDesc& d, int64_t inter, int ran
   const bool has_shared = d.shared_a_gate_up.present() || d.shared_a_down.present();
   if (has_shared) {
     if (shared_inter < 16 || shared_inter % 16)
-      bad("shared_inter", "the adapter has shared-expert LoRA: expected the shared expert's full I (multiple of 16), got " +
+      invalid("shared_inter", "the adapter has shared-expert LoRA: expected the shared expert's full I (multiple of 16), got " +
                               std::to_string(shared_inter));
     const int64_t SI = shared_inter, SIs = tp_inter(SI, world);
     o.desc.shared_a_gate_up = keep(d.shared_a_gate_up, "shared_a_gate_up");
     if (d.shared_b_gate_up.present()) {
       const int64_t N1 = dim_of(d.shared_b_gate_up, 0);
-      if (N1 != SI && N1 != 2 * SI) bad("shared_b_gate_up", "expected [2I or I, r], got " + d.shared_b_gate_up.shape_str());
+      if (N1 != SI && N1 != 2 * SI) invalid("shared_b_gate_up", "expected [2I or I, r], got " + d.shared_b_gate_up.shape_str());
       const std::vector<Range> sh = N1 == 2 * SI ? std::vector<Range>{{rank * SIs, SIs}, {SI + rank * SIs, SIs}}
                                                  : std::vector<Range>{{rank * SIs, SIs}};
       o.desc.shared_b_gate_up = b.take(d.shared_b_gate_up, "shared_b_gate_up", {N1, r}, 0, sh);
@@ -290,9 +276,9 @@ ShardedAdapter shard_adapter_tp(const LoraAdapterDesc& d, int64_t inter, int ran
 }
 
 ShardedAdapter slice_adapter_experts(const LoraAdapterDesc& d, int64_t num_experts, int64_t begin, int64_t count) {
-  if (num_experts < 1) bad("num_experts", "expected >= 1, got " + std::to_string(num_experts));
+  if (num_experts < 1) invalid("num_experts", "expected >= 1, got " + std::to_string(num_experts));
   if (begin < 0 || count < 1 || begin + count > num_experts)
-    bad("begin", "expert range [" + std::to_string(begin) + ", " + std::to_string(begin + count) +
+    invalid("begin", "expert range [" + std::to_string(begin) + ", " + std::to_string(begin + count) +
                      ") not inside [0, " + std::to_string(num_experts) + ")");
   ShardedAdapter o;
   o.desc = d;
@@ -300,7 +286,7 @@ ShardedAdapter slice_adapter_experts(const LoraAdapterDesc& d, int64_t num_exper
   auto per_expert = [&](const TensorView& v, const char* name) {
     if (!v.present()) return TensorView{};
     if (v.ndim < 2 || v.shape[0] != num_experts)
-      bad(name, "expected a leading expert dim of " + std::to_string(num_experts) + ", got " + v.shape_str());
+      invalid(name, "expected a leading expert dim of " + std::to_string(num_experts) + ", got " + v.shape_str());
     std::vector<int64_t> shape(v.shape, v.shape + v.ndim);
     return b.take(v, name, shape, 0, {{begin, count}});
   };
@@ -328,7 +314,7 @@ ShardedAdapter slice_adapter_experts(const LoraAdapterDesc& d, int64_t num_exper
 ExpertWindow expert_window(int64_t num_experts_total, int rank, int world) {
   check_rank_world(rank, world);
   if (num_experts_total < world)
-    bad("num_experts_total", "expected >= world=" + std::to_string(world) + " (every rank holds an expert), got " +
+    invalid("num_experts_total", "expected >= world=" + std::to_string(world) + " (every rank holds an expert), got " +
                                  std::to_string(num_experts_total));
   const int64_t base = num_experts_total / world, extra = num_experts_total % world;
   ExpertWindow w;
@@ -379,8 +365,8 @@ class InProcessComm final : public Communicator {
   Backend device() const override { return Backend::CPU; }
 
   void allreduce_sum_f32(float* data, int64_t count) override {
-    if (count < 0) bad("count", "expected >= 0");
-    if (count > 0 && !data) bad("data", "is null");
+    if (count < 0) invalid("count", "expected >= 0");
+    if (count > 0 && !data) invalid("data", "is null");
     // Each rank sums all ranks' buffers in rank order into a private copy, then all write back: every rank
     // computes the same additions in the same order, so all end bit-identical.
     s_->in[rank_] = data;
@@ -396,7 +382,7 @@ class InProcessComm final : public Communicator {
     s_->wait_all();
   }
   void allgather(const void* in, void* out, int64_t bytes) override {
-    if (bytes < 0) bad("bytes", "expected >= 0");
+    if (bytes < 0) invalid("bytes", "expected >= 0");
     s_->in[rank_] = in;
     s_->wait_all();
     for (int p = 0; p < s_->world; ++p)
@@ -404,7 +390,7 @@ class InProcessComm final : public Communicator {
     s_->wait_all();
   }
   void reduce_scatter_sum_f32(const float* in, float* out, int64_t count) override {
-    if (count < 0) bad("count", "expected >= 0");
+    if (count < 0) invalid("count", "expected >= 0");
     s_->in[rank_] = in;
     s_->wait_all();
     for (int64_t i = 0; i < count; ++i) {
@@ -418,7 +404,7 @@ class InProcessComm final : public Communicator {
     s_->wait_all();
   }
   void alltoall(const void* in, void* out, int64_t bytes_per_rank) override {
-    if (bytes_per_rank < 0) bad("bytes_per_rank", "expected >= 0");
+    if (bytes_per_rank < 0) invalid("bytes_per_rank", "expected >= 0");
     s_->in[rank_] = in;
     s_->wait_all();
     for (int q = 0; q < s_->world; ++q)
@@ -435,8 +421,8 @@ class InProcessComm final : public Communicator {
 }  // namespace
 
 InProcessGroup::InProcessGroup(int world, double timeout_s) : state_(std::make_unique<State>()) {
-  if (world < 1) bad("world", "expected >= 1, got " + std::to_string(world));
-  if (!(timeout_s > 0)) bad("timeout_s", "expected > 0");
+  if (world < 1) invalid("world", "expected >= 1, got " + std::to_string(world));
+  if (!(timeout_s > 0)) invalid("timeout_s", "expected > 0");
   state_->world = world;
   state_->timeout = std::chrono::duration<double>(timeout_s);
   state_->in.assign(static_cast<size_t>(world), nullptr);
@@ -483,26 +469,26 @@ struct ScratchLayout {
 // The checks of the caller's y and output mode every backend shares (inside the failure agreement).
 void check_output(const MoeArgs& args, Backend be, int dev, ParallelOutput output, int64_t world, int64_t& T, int64_t H,
                   int64_t& rows) {
-  if (!args.x.present()) bad("x", "is required but absent");
-  if (!args.y.present()) bad("y", "is required but absent");
-  if (args.x.ndim != 2) bad("x", "expected [T, H], got " + args.x.shape_str());
+  if (!args.x.present()) invalid("x", "is required but absent");
+  if (!args.y.present()) invalid("y", "is required but absent");
+  if (args.x.ndim != 2) invalid("x", "expected [T, H], got " + args.x.shape_str());
   T = args.x.shape[0];
   rows = T;
   if (output != ParallelOutput::AllReduce && output != ParallelOutput::ReduceScatter)
-    bad("output", "expected ParallelOutput AllReduce (0) or ReduceScatter (1), got " + std::to_string(static_cast<int>(output)));
+    invalid("output", "expected ParallelOutput AllReduce (0) or ReduceScatter (1), got " + std::to_string(static_cast<int>(output)));
   if (output == ParallelOutput::ReduceScatter) {
     if (T % world)
-      bad("x", "ReduceScatter needs T divisible by world=" + std::to_string(world) + ", got T=" + std::to_string(T));
+      invalid("x", "ReduceScatter needs T divisible by world=" + std::to_string(world) + ", got T=" + std::to_string(T));
     rows = T / world;
   }
-  if (be == Backend::CPU && args.y.device != Backend::CPU) bad("y", "expected a host tensor (CPU weights)");
+  if (be == Backend::CPU && args.y.device != Backend::CPU) invalid("y", "expected a host tensor (CPU weights)");
   if (be == Backend::CUDA && (args.y.device != Backend::CUDA || args.y.device_id != dev))
-    bad("y", "expected a tensor on cuda:" + std::to_string(dev) + " (the weights' device)");
+    invalid("y", "expected a tensor on cuda:" + std::to_string(dev) + " (the weights' device)");
   if (args.y.dtype != DType::BF16 && args.y.dtype != DType::F32)
-    bad("y", std::string("expected bfloat16 or float32, got ") + to_string(args.y.dtype));
+    invalid("y", std::string("expected bfloat16 or float32, got ") + to_string(args.y.dtype));
   if (args.y.ndim != 2 || args.y.shape[0] != rows || args.y.shape[1] != H)
-    bad("y", "expected [" + std::to_string(rows) + ", " + std::to_string(H) + "], got " + args.y.shape_str());
-  if (args.y.stride[0] < 0 || args.y.stride[1] < 0) bad("y", "negative strides");
+    invalid("y", "expected [" + std::to_string(rows) + ", " + std::to_string(H) + "], got " + args.y.shape_str());
+  if (args.y.stride[0] < 0 || args.y.stride[1] < 0) invalid("y", "negative strides");
 }
 
 #if defined(FP4MOE_WITH_CUDA)
@@ -549,18 +535,18 @@ void run_and_reduce_cuda(const MoeWeights& w, MoeArgs local, const MoeArgs& args
   } owned{nullptr, dev, stream};
   try {
     if (comm.cuda_device() >= 0 && comm.cuda_device() != dev)
-      bad("comm", "the communicator lives on cuda:" + std::to_string(comm.cuda_device()) + ", the weights on cuda:" +
+      invalid("comm", "the communicator lives on cuda:" + std::to_string(comm.cuda_device()) + ", the weights on cuda:" +
                       std::to_string(dev));
     if (pws.present()) {
       if (pws.device != Backend::CUDA || pws.device_id != dev)
-        bad("parallel_workspace", "must be on the weights' device cuda:" + std::to_string(dev));
+        invalid("parallel_workspace", "must be on the weights' device cuda:" + std::to_string(dev));
       if (pws.dtype != DType::U8 || pws.ndim != 1 || !pws.is_contiguous())
-        bad("parallel_workspace", "expected a contiguous 1-D uint8 tensor, got " + pws.shape_str());
+        invalid("parallel_workspace", "expected a contiguous 1-D uint8 tensor, got " + pws.shape_str());
       if (static_cast<size_t>(pws.numel()) < bytes)
-        bad("parallel_workspace", "expected at least " + std::to_string(bytes) + " bytes (parallel_workspace_size), got " +
+        invalid("parallel_workspace", "expected at least " + std::to_string(bytes) + " bytes (parallel_workspace_size), got " +
                                       std::to_string(pws.numel()));
       if (reinterpret_cast<uintptr_t>(pws.data) % 256)
-        bad("parallel_workspace", "must be aligned to 256 bytes");
+        invalid("parallel_workspace", "must be aligned to 256 bytes");
       scratch = static_cast<float*>(pws.data);
     }
   } catch (...) {
@@ -622,7 +608,7 @@ void run_and_reduce(const MoeWeights& w, MoeArgs local, const MoeArgs& args, Com
                     ParallelOutput output, const std::function<void()>& precheck, const TensorView& pws) {
   const int64_t world = comm.world();
   // Decided identically on every rank (no data involved), so throwing here leaves no rank waiting.
-  if (!w.valid()) bad("weights", "not prepared");
+  if (!w.valid()) invalid("weights", "not prepared");
   if (w.backend() != comm.device())
     throw Error(ErrorCode::Unsupported, "comm",
                 std::string("weights on the ") + (w.backend() == Backend::CUDA ? "CUDA" : "CPU") +
@@ -642,7 +628,7 @@ void run_and_reduce(const MoeWeights& w, MoeArgs local, const MoeArgs& args, Com
   std::unique_ptr<Error> err;
   try {
     if (precheck) precheck();
-    if (pws.present()) bad("parallel_workspace", "only the CUDA backend takes a parallel workspace");
+    if (pws.present()) invalid("parallel_workspace", "only the CUDA backend takes a parallel workspace");
     check_output(args, Backend::CPU, 0, output, world, T, H, rows);
     // The local operator into an fp32 partial (the reference writes fp32 y without a bf16 rounding).
     partial.assign(static_cast<size_t>(T * H), 0.f);
@@ -680,11 +666,11 @@ void run_and_reduce(const MoeWeights& w, MoeArgs local, const MoeArgs& args, Com
 }  // namespace
 
 int64_t parallel_workspace_size(int64_t T, int64_t H, int world, ParallelOutput output) {
-  if (T < 0) bad("T", "expected >= 0, got " + std::to_string(T));
-  if (H < 1) bad("H", "expected >= 1, got " + std::to_string(H));
-  if (world < 1) bad("world", "expected >= 1, got " + std::to_string(world));
+  if (T < 0) invalid("T", "expected >= 0, got " + std::to_string(T));
+  if (H < 1) invalid("H", "expected >= 1, got " + std::to_string(H));
+  if (world < 1) invalid("world", "expected >= 1, got " + std::to_string(world));
   if (output == ParallelOutput::ReduceScatter && T % world)
-    bad("T", "ReduceScatter needs T divisible by world=" + std::to_string(world) + ", got " + std::to_string(T));
+    invalid("T", "ReduceScatter needs T divisible by world=" + std::to_string(world) + ", got " + std::to_string(T));
   const ScratchLayout L(T, H, output == ParallelOutput::ReduceScatter ? T / world : T, world, output);
   return L.total * static_cast<int64_t>(sizeof(float));
 }
@@ -696,16 +682,16 @@ void moe_run_tp(const MoeWeights& shard, const MoeArgs& args, Communicator& comm
 
 void moe_run_ep(const MoeWeights& local, const MoeArgs& args, Communicator& comm, ParallelOutput output,
                 const TensorView& parallel_workspace) {
-  if (!local.valid()) bad("weights", "not prepared");
+  if (!local.valid()) invalid("weights", "not prepared");
   auto precheck = [&] {
     const int64_t E = args.num_experts_total;
-    if (E < 1) bad("num_experts_total", "expected the model's E (>= 1) for expert parallelism, got " + std::to_string(E));
+    if (E < 1) invalid("num_experts_total", "expected the model's E (>= 1) for expert parallelism, got " + std::to_string(E));
     const ExpertWindow win = expert_window(E, comm.rank(), comm.world());
     if (args.local_expert_offset != win.offset)
-      bad("local_expert_offset", "expected " + std::to_string(win.offset) + " (expert_window of rank " +
+      invalid("local_expert_offset", "expected " + std::to_string(win.offset) + " (expert_window of rank " +
                                      std::to_string(comm.rank()) + "), got " + std::to_string(args.local_expert_offset));
     if (local.num_experts() != win.count)
-      bad("weights", "expected " + std::to_string(win.count) + " local experts (expert_window), got " +
+      invalid("weights", "expected " + std::to_string(win.count) + " local experts (expert_window), got " +
                          std::to_string(local.num_experts()));
   };
   MoeArgs a = args;

@@ -8,14 +8,12 @@
 #include <sstream>
 
 #include "runtime/json.h"
+#include "runtime/host_tensor.h"
 
 namespace fp4moe {
+using detail::invalid;
 
 namespace {
-
-[[noreturn]] void bad(const std::string& arg, const std::string& what) {
-  throw Error(ErrorCode::InvalidArgument, arg, what);
-}
 
 TensorView owned_view(const std::vector<uint16_t>& v, std::initializer_list<int64_t> shape) {
   TensorView t;
@@ -64,26 +62,26 @@ Split split_target(const safetensors::File& f, const std::string& base, const st
                     "' of adapter_config.json), not found");
   for (const auto* t : {A, B})
     if (t->shape.size() != 2)
-      bad(t->name, f.origin() + ": expected a 2-D LoRA matrix, got " + std::to_string(t->shape.size()) + " dims");
+      invalid(t->name, f.origin() + ": expected a 2-D LoRA matrix, got " + std::to_string(t->shape.size()) + " dims");
   const int64_t rows = A->shape[0], in = A->shape[1], out = B->shape[0];
-  if (rows <= 0 || in <= 0 || out <= 0) bad(A->name, f.origin() + ": expected non-empty LoRA matrices");
+  if (rows <= 0 || in <= 0 || out <= 0) invalid(A->name, f.origin() + ": expected non-empty LoRA matrices");
   if (rows % r != 0)
-    bad(A->name, f.origin() + ": expected r*E rows with r = " + std::to_string(r) + " (adapter_config.json), got " +
+    invalid(A->name, f.origin() + ": expected r*E rows with r = " + std::to_string(r) + " (adapter_config.json), got " +
                      std::to_string(rows));
   if (B->shape[1] != rows)
-    bad(B->name, f.origin() + ": expected shape [out, " + std::to_string(rows) + "] to match lora_A's r*E, got [" +
+    invalid(B->name, f.origin() + ": expected shape [out, " + std::to_string(rows) + "] to match lora_A's r*E, got [" +
                      std::to_string(out) + ", " + std::to_string(B->shape[1]) + "]");
   const int64_t E = rows / r;
   if (*num_experts == 0) *num_experts = E;
   if (E != *num_experts)
-    bad(A->name, f.origin() + ": expected r*E = " + std::to_string(r * *num_experts) + " rows (E = " +
+    invalid(A->name, f.origin() + ": expected r*E = " + std::to_string(r * *num_experts) + " rows (E = " +
                      std::to_string(*num_experts) + "), got " + std::to_string(rows));
   const int64_t off = opt.expert_offset;
   if (off < 0 || off >= E)
-    bad("expert_offset", "expected 0.." + std::to_string(E - 1) + ", got " + std::to_string(off));
+    invalid("expert_offset", "expected 0.." + std::to_string(E - 1) + ", got " + std::to_string(off));
   const int64_t El = opt.num_local_experts == 0 ? E - off : opt.num_local_experts;
   if (El <= 0 || off + El > E)
-    bad("num_local_experts", "expected 1.." + std::to_string(E - off) + " (experts from offset " + std::to_string(off) +
+    invalid("num_local_experts", "expected 1.." + std::to_string(E - off) + " (experts from offset " + std::to_string(off) +
                                  " of " + std::to_string(E) + "), got " + std::to_string(opt.num_local_experts));
   *num_local = El;
 
@@ -119,22 +117,22 @@ namespace peft {
 PeftConfig parse_config(std::string_view text, const std::string& origin) {
   const json::Value root = json::parse(text, "adapter_config");
   auto field = [&](const char* name) { return origin + ": field '" + name + "'"; };
-  if (!root.is_object()) bad("adapter_config", origin + ": expected a JSON object");
+  if (!root.is_object()) invalid("adapter_config", origin + ": expected a JSON object");
   PeftConfig c;
   if (const json::Value* t = root.find("peft_type"); t && !t->is_null())
     if (!t->is_string() || t->str != "LORA")
       throw Error(ErrorCode::Unsupported, "peft_type", field("peft_type") + ": expected \"LORA\"");
   const json::Value* r = root.find("r");
   if (!r || !r->is_number() || !r->is_int || r->integer <= 0)
-    bad("r", field("r") + ": expected a positive integer");
+    invalid("r", field("r") + ": expected a positive integer");
   c.r = r->integer;
   if (const json::Value* a = root.find("lora_alpha"); a && !a->is_null()) {
-    if (!a->is_number() || !std::isfinite(a->number)) bad("lora_alpha", field("lora_alpha") + ": expected a finite number");
+    if (!a->is_number() || !std::isfinite(a->number)) invalid("lora_alpha", field("lora_alpha") + ": expected a finite number");
     c.lora_alpha = static_cast<float>(a->number);
-    if (!std::isfinite(c.lora_alpha)) bad("lora_alpha", field("lora_alpha") + ": expected a value that fits in fp32");
+    if (!std::isfinite(c.lora_alpha)) invalid("lora_alpha", field("lora_alpha") + ": expected a value that fits in fp32");
   }
   if (const json::Value* u = root.find("use_rslora"); u && !u->is_null()) {
-    if (!u->is_bool()) bad("use_rslora", field("use_rslora") + ": expected true or false");
+    if (!u->is_bool()) invalid("use_rslora", field("use_rslora") + ": expected true or false");
     c.use_rslora = u->boolean;
   }
   for (const char* unsupported_flag : {"use_dora", "lora_bias"})
@@ -142,15 +140,15 @@ PeftConfig parse_config(std::string_view text, const std::string& origin) {
       throw Error(ErrorCode::Unsupported, unsupported_flag, field(unsupported_flag) + ": expected false (not supported)");
   for (const char* pattern : {"rank_pattern", "alpha_pattern"})
     if (const json::Value* p = root.find(pattern); p && !p->is_null()) {
-      if (!p->is_object()) bad(pattern, field(pattern) + ": expected an object");
+      if (!p->is_object()) invalid(pattern, field(pattern) + ": expected an object");
       if (!p->object.empty())
         throw Error(ErrorCode::Unsupported, pattern,
                     field(pattern) + ": expected it empty (per-module ranks or alphas are not supported)");
     }
   if (const json::Value* t = root.find("target_parameters"); t && !t->is_null()) {
-    if (!t->is_array()) bad("target_parameters", field("target_parameters") + ": expected an array of strings");
+    if (!t->is_array()) invalid("target_parameters", field("target_parameters") + ": expected an array of strings");
     for (const json::Value& s : t->array) {
-      if (!s.is_string()) bad("target_parameters", field("target_parameters") + ": expected an array of strings");
+      if (!s.is_string()) invalid("target_parameters", field("target_parameters") + ": expected an array of strings");
       c.target_parameters.push_back(s.str);
     }
   }
@@ -158,15 +156,15 @@ PeftConfig parse_config(std::string_view text, const std::string& origin) {
 }
 
 PeftExpertsLora read_experts_lora(const safetensors::File& f, const PeftConfig& c, const PeftReadOptions& opt) {
-  if (c.r <= 0) bad("r", "expected a positive rank, got " + std::to_string(c.r));
-  if (opt.num_experts < 0) bad("num_experts", "expected >= 0, got " + std::to_string(opt.num_experts));
+  if (c.r <= 0) invalid("r", "expected a positive rank, got " + std::to_string(c.r));
+  if (opt.num_experts < 0) invalid("num_experts", "expected >= 0, got " + std::to_string(opt.num_experts));
   std::vector<std::string> targets;
   for (const std::string& t : c.target_parameters)
     if (!target_kind(t).empty()) targets.push_back(t);
   if (targets.empty())
-    bad("target_parameters", f.origin() + ": expected targets naming the fused experts' gate_up_proj and/or down_proj");
+    invalid("target_parameters", f.origin() + ": expected targets naming the fused experts' gate_up_proj and/or down_proj");
   if (targets.size() > 2 || (targets.size() == 2 && target_kind(targets[0]) == target_kind(targets[1])))
-    bad("target_parameters", "expected at most one gate_up_proj and one down_proj target, got " +
+    invalid("target_parameters", "expected at most one gate_up_proj and one down_proj target, got " +
                                  std::to_string(targets.size()) + " expert targets");
 
   PeftExpertsLora out;
@@ -201,7 +199,7 @@ PeftExpertsLora read_experts_lora(const safetensors::File& f, const PeftConfig& 
       gu = std::move(outer);
       dn = std::move(inner);
     } else {
-      bad("target_parameters", f.origin() + ": the two expert LoRA pairs (in " + std::to_string(inner.in) + " -> out " +
+      invalid("target_parameters", f.origin() + ": the two expert LoRA pairs (in " + std::to_string(inner.in) + " -> out " +
                                    std::to_string(inner.out) + ", in " + std::to_string(outer.in) + " -> out " +
                                    std::to_string(outer.out) +
                                    ") do not fit gate_up [2I, H] and down [H, I] of one layer");
@@ -216,11 +214,11 @@ PeftExpertsLora read_experts_lora(const safetensors::File& f, const PeftConfig& 
   }
   if (out.has_down) {
     if (out.has_gate_up && dn.out != out.H)
-      bad("target_parameters", f.origin() + ": gate_up lora_A has in = " + std::to_string(out.H) +
+      invalid("target_parameters", f.origin() + ": gate_up lora_A has in = " + std::to_string(out.H) +
                                    " but down lora_B has out = " + std::to_string(dn.out) +
                                    " (both should be the hidden size; is the nesting order of the targets as listed?)");
     if (out.has_gate_up && out.N1 != 2 * dn.in)
-      bad("target_parameters", f.origin() + ": gate_up lora_B has " + std::to_string(out.N1) +
+      invalid("target_parameters", f.origin() + ": gate_up lora_B has " + std::to_string(out.N1) +
                                    " rows, expected 2 * " + std::to_string(dn.in) + " (twice down's in)");
     out.H = dn.out;
     out.I = dn.in;

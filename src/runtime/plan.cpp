@@ -2,14 +2,15 @@
 // Every kernel bound (grid sizes, loop trip counts, buffer sizes) derives from the numbers chosen here;
 // tests/cpp/test_plan.cpp sweeps shapes and checks the invariants the kernels rely on.
 #include "fp4moe/plan.h"
+#include "runtime/host_tensor.h"
 
 #include <algorithm>
 #include <string>
 
 namespace fp4moe {
+using detail::invalid;
 namespace {
 
-[[noreturn]] void bad(const char* arg, const std::string& what) { throw Error(ErrorCode::InvalidArgument, arg, what); }
 [[noreturn]] void unsupported(const char* arg, const std::string& what) { throw Error(ErrorCode::Unsupported, arg, what); }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -30,19 +31,19 @@ struct Layout {
 
 void check_shape(const ProblemShape& s) {
   const auto in_range = [](int64_t v, int64_t lo, int64_t hi) { return v >= lo && v <= hi; };
-  if (s.T < 0) bad("T", "expected T >= 0, got " + std::to_string(s.T));
+  if (s.T < 0) invalid("T", "expected T >= 0, got " + std::to_string(s.T));
   if (s.T > kMaxTokens) unsupported("T", "at most " + std::to_string(kMaxTokens) + " tokens, got " + std::to_string(s.T));
-  if (s.H < 16 || s.H % 16) bad("H", "expected a positive multiple of 16, got " + std::to_string(s.H));
-  if (s.I < 16 || s.I % 16) bad("I", "expected a positive multiple of 16, got " + std::to_string(s.I));
+  if (s.H < 16 || s.H % 16) invalid("H", "expected a positive multiple of 16, got " + std::to_string(s.H));
+  if (s.I < 16 || s.I % 16) invalid("I", "expected a positive multiple of 16, got " + std::to_string(s.I));
   if (s.H > kMaxHidden) unsupported("H", "at most " + std::to_string(kMaxHidden) + ", got " + std::to_string(s.H));
   if (s.I > kMaxHidden) unsupported("I", "at most " + std::to_string(kMaxHidden) + ", got " + std::to_string(s.I));
-  if (s.E_loc < 1) bad("E_loc", "expected >= 1 local expert, got " + std::to_string(s.E_loc));
+  if (s.E_loc < 1) invalid("E_loc", "expected >= 1 local expert, got " + std::to_string(s.E_loc));
   if (s.E_loc > kMaxLocalExperts)
     unsupported("E_loc", "at most " + std::to_string(kMaxLocalExperts) + " local experts, got " + std::to_string(s.E_loc));
   const int64_t E_total = s.E_total == 0 ? s.E_loc : s.E_total;
-  if (E_total < s.E_loc) bad("num_experts_total", "expected >= E_loc, got " + std::to_string(E_total));
+  if (E_total < s.E_loc) invalid("num_experts_total", "expected >= E_loc, got " + std::to_string(E_total));
   if (E_total > (int64_t(1) << 30)) unsupported("num_experts_total", "too many experts: " + std::to_string(E_total));
-  if (!in_range(s.k, 1, E_total)) bad("routing.top_k", "expected 1 <= top_k <= " + std::to_string(E_total) + ", got " + std::to_string(s.k));
+  if (!in_range(s.k, 1, E_total)) invalid("routing.top_k", "expected 1 <= top_k <= " + std::to_string(E_total) + ", got " + std::to_string(s.k));
   if (s.k > kMaxTopK) unsupported("routing.top_k", "at most " + std::to_string(kMaxTopK) + ", got " + std::to_string(s.k));
   if (s.routing_from_logits && E_total > kMaxExpertsRouting)
     unsupported("routing.logits", "device routing keeps at most " + std::to_string(kMaxExpertsRouting) +
@@ -50,17 +51,17 @@ void check_shape(const ProblemShape& s) {
   if (s.routing_from_logits && (s.n_group < 1 || s.n_group > kMaxGroups))
     unsupported("routing.n_group", "expected 1 <= n_group <= " + std::to_string(kMaxGroups) + ", got " + std::to_string(s.n_group));
   if (is_gated(s.activation) != s.gated)
-    bad("activation.type", std::string(to_string(s.activation)) + (s.gated ? " is not gated" : " is gated") +
+    invalid("activation.type", std::string(to_string(s.activation)) + (s.gated ? " is not gated" : " is gated") +
                                " but the weights are " + (s.gated ? "gated" : "not gated"));
-  if (s.mode != ActMode::A16 && s.mode != ActMode::A4) bad("mode", "expected A16 or A4");
-  if (s.format != WeightFormat::NVFP4 && s.format != WeightFormat::BF16) bad("format", "expected NVFP4 or BF16");
+  if (s.mode != ActMode::A16 && s.mode != ActMode::A4) invalid("mode", "expected A16 or A4");
+  if (s.format != WeightFormat::NVFP4 && s.format != WeightFormat::BF16) invalid("format", "expected NVFP4 or BF16");
   if (s.has_shared && (s.shared_I < 16 || s.shared_I % 16))
-    bad("shared_expert", "intermediate size must be a positive multiple of 16, got " + std::to_string(s.shared_I));
+    invalid("shared_expert", "intermediate size must be a positive multiple of 16, got " + std::to_string(s.shared_I));
   if (s.has_shared && s.shared_I > kMaxHidden) unsupported("shared_expert", "intermediate size too large");
   if (s.max_lora_rank < 0 || s.max_lora_rank > kMaxLoraRank)
-    bad("max_lora_rank", "expected 0 (unknown) or 1.." + std::to_string(kMaxLoraRank) + ", got " +
+    invalid("max_lora_rank", "expected 0 (unknown) or 1.." + std::to_string(kMaxLoraRank) + ", got " +
                              std::to_string(s.max_lora_rank));
-  if (s.workspace_budget < 0) bad("workspace_budget", "expected >= 0");
+  if (s.workspace_budget < 0) invalid("workspace_budget", "expected >= 0");
 }
 
 }  // namespace

@@ -8,26 +8,13 @@
 #include "runtime/host_tensor.h"
 
 namespace fp4moe {
+using detail::invalid;
 
 namespace {
 
-[[noreturn]] void bad(const std::string& name, const std::string& what) {
-  throw Error(ErrorCode::InvalidArgument, name, what);
-}
-
+// A host view of const storage (OwnedWeights::desc is const; the views are only read).
 TensorView host_view(const void* data, DType t, std::initializer_list<int64_t> shape) {
-  TensorView v;
-  v.data = const_cast<void*>(data);
-  v.dtype = t;
-  v.ndim = static_cast<int>(shape.size());
-  int i = 0;
-  for (int64_t s : shape) v.shape[i++] = s;
-  int64_t st = 1;
-  for (int k = v.ndim - 1; k >= 0; --k) {
-    v.stride[k] = st;
-    st *= v.shape[k];
-  }
-  return v;
+  return make_view(const_cast<void*>(data), t, shape);
 }
 
 std::vector<float> read_dense(const TensorView& v, const char* name, std::initializer_list<int64_t> shape) {
@@ -36,7 +23,7 @@ std::vector<float> read_dense(const TensorView& v, const char* name, std::initia
   std::vector<float> x = detail::gather_f32(v, name);
   for (size_t i = 0; i < x.size(); ++i)
     if (!std::isfinite(x[i]))
-      bad(name, "expected finite values, got " + std::to_string(x[i]) + " at index " + std::to_string(i));
+      invalid(name, "expected finite values, got " + std::to_string(x[i]) + " at index " + std::to_string(i));
   return x;
 }
 
@@ -75,15 +62,15 @@ std::vector<uint8_t> unswizzle_all(const std::vector<uint8_t>& swz, int64_t E, i
 OwnedWeights quantize_weights(const TensorView& w1, const TensorView& w2, const QuantizeOptions& opt,
                               const TensorView& bias1, const TensorView& bias2) {
   if (opt.format != WeightFormat::NVFP4 && opt.format != WeightFormat::BF16)
-    bad("format", "expected NVFP4 or BF16, got " + std::to_string(static_cast<int>(opt.format)));
+    invalid("format", "expected NVFP4 or BF16, got " + std::to_string(static_cast<int>(opt.format)));
   if (opt.order != GateUpOrder::GateFirst && opt.order != GateUpOrder::UpFirst)
-    bad("order", "expected GateFirst or UpFirst, got " + std::to_string(static_cast<int>(opt.order)));
+    invalid("order", "expected GateFirst or UpFirst, got " + std::to_string(static_cast<int>(opt.order)));
   if (opt.scale_layout != ScaleLayout::Linear && opt.scale_layout != ScaleLayout::Swizzled128x4)
-    bad("scale_layout", "expected Linear or Swizzled128x4, got " + std::to_string(static_cast<int>(opt.scale_layout)));
+    invalid("scale_layout", "expected Linear or Swizzled128x4, got " + std::to_string(static_cast<int>(opt.scale_layout)));
   detail::check_view(w1, "w1", {DType::F32, DType::BF16});
   detail::check_view(w2, "w2", {DType::F32, DType::BF16});
-  if (w1.ndim != 3) bad("w1", "expected shape [E, N1, H], got " + detail::view_shape_str(w1));
-  if (w2.ndim != 3) bad("w2", "expected shape [E, H, I], got " + detail::view_shape_str(w2));
+  if (w1.ndim != 3) invalid("w1", "expected shape [E, N1, H], got " + detail::view_shape_str(w1));
+  if (w2.ndim != 3) invalid("w2", "expected shape [E, H, I], got " + detail::view_shape_str(w2));
   OwnedWeights o;
   o.format = opt.format;
   o.order = opt.order;
@@ -93,9 +80,9 @@ OwnedWeights quantize_weights(const TensorView& w1, const TensorView& w2, const 
   o.H = w1.shape[2];
   o.I = w2.shape[2];
   const int64_t E = o.E, H = o.H, I = o.I, N1 = o.n1();
-  if (E <= 0) bad("w1", "expected at least one expert, got shape " + detail::view_shape_str(w1));
-  if (H <= 0 || H % 16) bad("w1", "expected H (last dim) a positive multiple of 16, got " + std::to_string(H));
-  if (I <= 0 || I % 16) bad("w2", "expected I (last dim) a positive multiple of 16, got " + std::to_string(I));
+  if (E <= 0) invalid("w1", "expected at least one expert, got shape " + detail::view_shape_str(w1));
+  if (H <= 0 || H % 16) invalid("w1", "expected H (last dim) a positive multiple of 16, got " + std::to_string(H));
+  if (I <= 0 || I % 16) invalid("w2", "expected I (last dim) a positive multiple of 16, got " + std::to_string(I));
   std::vector<float> x1 = read_dense(w1, "w1", {E, N1, H});
   std::vector<float> x2 = read_dense(w2, "w2", {E, H, I});
   if (bias1.present()) o.bias1 = read_dense(bias1, "bias1", {E, N1});

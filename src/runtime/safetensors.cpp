@@ -45,23 +45,6 @@ float f16_to_f32(uint16_t h) {
   return sign ? -v : v;
 }
 
-std::string json_escape(const std::string& s) {
-  std::string o = "\"";
-  for (char c : s) {
-    if (c == '"' || c == '\\') {
-      o += '\\';
-      o += c;
-    } else if (static_cast<unsigned char>(c) < 0x20) {
-      char buf[8];
-      std::snprintf(buf, sizeof buf, "\\u%04x", c);
-      o += buf;
-    } else {
-      o += c;
-    }
-  }
-  return o + "\"";
-}
-
 }  // namespace
 
 int64_t TensorInfo::numel() const {
@@ -249,7 +232,7 @@ void write_file(const std::string& path, const std::vector<WriteTensor>& tensors
     bool f2 = true;
     for (const auto& [k, v] : metadata) {
       if (!f2) h += ",";
-      h += json_escape(k) + ":" + json_escape(v);
+      h += json::quote(k) + ":" + json::quote(v);
       f2 = false;
     }
     h += "}";
@@ -259,7 +242,7 @@ void write_file(const std::string& path, const std::vector<WriteTensor>& tensors
   for (const auto& t : tensors) {
     if (!first) h += ",";
     first = false;
-    h += json_escape(t.name) + ":{\"dtype\":" + json_escape(t.dtype_name) + ",\"shape\":[";
+    h += json::quote(t.name) + ":{\"dtype\":" + json::quote(t.dtype_name) + ",\"shape\":[";
     for (size_t i = 0; i < t.shape.size(); ++i) {
       if (i) h += ',';
       h += std::to_string(t.shape[i]);

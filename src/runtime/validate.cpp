@@ -7,28 +7,25 @@
 #include <string>
 
 namespace fp4moe {
+using detail::invalid;
 namespace {
-
-[[noreturn]] void fail(const std::string& arg, const std::string& what) {
-  throw Error(ErrorCode::InvalidArgument, arg, what);
-}
 
 // A tensor that must be present, of one dtype and shape, contiguous, on the call's device.
 void expect(const TensorView& t, const char* name, DType dtype, std::initializer_list<int64_t> shape, Backend dev,
             int dev_id) {
-  if (!t.present()) fail(name, "is required but absent");
+  if (!t.present()) invalid(name, "is required but absent");
   if (t.dtype != dtype)
-    fail(name, std::string("expected dtype ") + to_string(dtype) + ", got " + to_string(t.dtype));
+    invalid(name, std::string("expected dtype ") + to_string(dtype) + ", got " + to_string(t.dtype));
   bool ok = t.ndim == static_cast<int>(shape.size());
   int i = 0;
   for (int64_t s : shape) ok = ok && t.shape[i++] == s;
-  if (!ok) fail(name, "expected shape " + detail::shape_list_str(shape) + ", got " + t.shape_str());
+  if (!ok) invalid(name, "expected shape " + detail::shape_list_str(shape) + ", got " + t.shape_str());
   for (int d = 0; d < t.ndim; ++d)
-    if (t.shape[d] < 0 || t.stride[d] < 0) fail(name, "negative size or stride");
-  if (!t.is_contiguous()) fail(name, "must be contiguous (row-major), got strides that are not");
+    if (t.shape[d] < 0 || t.stride[d] < 0) invalid(name, "negative size or stride");
+  if (!t.is_contiguous()) invalid(name, "must be contiguous (row-major), got strides that are not");
   if (t.device != dev || (dev == Backend::CUDA && t.device_id != dev_id)) {
     std::string want = dev == Backend::CPU ? "cpu" : "cuda:" + std::to_string(dev_id);
-    fail(name, "expected a tensor on " + want + ", got " + t.shape_str() + (t.device == Backend::CPU ? " on cpu" : ""));
+    invalid(name, "expected a tensor on " + want + ", got " + t.shape_str() + (t.device == Backend::CPU ? " on cpu" : ""));
   }
 }
 
@@ -58,7 +55,7 @@ void check_host_values(const TensorView& t, const char* name, bool positive, boo
       std::ostringstream os;
       os << "element " << i << " is " << v << "; expected a " << (positive ? "positive " : "")
          << (allow_inf ? "number (inf = none)" : "finite number");
-      fail(name, os.str());
+      invalid(name, os.str());
     }
   }
 }
@@ -68,47 +65,47 @@ void check_host_values(const TensorView& t, const char* name, bool positive, boo
 void validate_routing(const RoutingArgs& r, int64_t T, int64_t E_total, Backend dev, int dev_id) {
   const int64_t k = r.top_k;
   if (k < 1 || k > E_total)
-    fail("routing.top_k", "expected 1 <= top_k <= " + std::to_string(E_total) + ", got " + std::to_string(k));
-  if (k > 64) fail("routing.top_k", "at most 64 experts per token are supported, got " + std::to_string(k));
+    invalid("routing.top_k", "expected 1 <= top_k <= " + std::to_string(E_total) + ", got " + std::to_string(k));
+  if (k > 64) invalid("routing.top_k", "at most 64 experts per token are supported, got " + std::to_string(k));
   const bool pre = r.topk_ids.present() || r.topk_weights.present();
   if (pre) {
-    if (r.logits.present()) fail("routing.logits", "give either logits or precomputed topk_ids/topk_weights, not both");
+    if (r.logits.present()) invalid("routing.logits", "give either logits or precomputed topk_ids/topk_weights, not both");
     expect(r.topk_ids, "routing.topk_ids", DType::I32, {T, k}, dev, dev_id);
     expect(r.topk_weights, "routing.topk_weights", DType::F32, {T, k}, dev, dev_id);
     if (dev == Backend::CPU) {
       const int32_t* ids = r.topk_ids.as<int32_t>();
       for (int64_t i = 0; i < T * k; ++i)
         if (ids[i] < 0 || ids[i] >= E_total)
-          fail("routing.topk_ids", "element " + std::to_string(i) + " is " + std::to_string(ids[i]) +
+          invalid("routing.topk_ids", "element " + std::to_string(i) + " is " + std::to_string(ids[i]) +
                                        ", expected an expert id in [0, " + std::to_string(E_total) + ")");
     }
     return;
   }
-  if (!r.logits.present()) fail("routing.logits", "absent: give logits or precomputed topk_ids/topk_weights");
+  if (!r.logits.present()) invalid("routing.logits", "absent: give logits or precomputed topk_ids/topk_weights");
   if (r.logits.dtype != DType::F32 && r.logits.dtype != DType::BF16)
-    fail("routing.logits", std::string("expected float32 or bfloat16, got ") + to_string(r.logits.dtype));
+    invalid("routing.logits", std::string("expected float32 or bfloat16, got ") + to_string(r.logits.dtype));
   expect(r.logits, "routing.logits", r.logits.dtype, {T, E_total}, dev, dev_id);
   expect_optional(r.bias, "routing.bias", DType::F32, {E_total}, dev, dev_id);
   check_host_values(r.bias, "routing.bias", false, false);
   if (!std::isfinite(r.routed_scaling_factor))
-    fail("routing.routed_scaling_factor", "must be finite");
+    invalid("routing.routed_scaling_factor", "must be finite");
   const int v = static_cast<int>(r.method);
-  if (v < 0 || v > 9) fail("routing.method", "expected a RoutingMethod value 0..9, got " + std::to_string(v));
-  if (r.method == RoutingMethod::Llama4 && k != 1) fail("routing.top_k", "Llama4 routing takes top_k = 1");
+  if (v < 0 || v > 9) invalid("routing.method", "expected a RoutingMethod value 0..9, got " + std::to_string(v));
+  if (r.method == RoutingMethod::Llama4 && k != 1) invalid("routing.top_k", "Llama4 routing takes top_k = 1");
   if (r.n_group < 1 || E_total % r.n_group != 0)
-    fail("routing.n_group", "must be >= 1 and divide the number of experts " + std::to_string(E_total) + ", got " +
+    invalid("routing.n_group", "must be >= 1 and divide the number of experts " + std::to_string(E_total) + ", got " +
                                 std::to_string(r.n_group));
   if (r.method == RoutingMethod::DeepSeekV3 && r.n_group > 1) {
     if (r.topk_group < 1 || r.topk_group > r.n_group)
-      fail("routing.topk_group", "expected 1 <= topk_group <= n_group, got " + std::to_string(r.topk_group));
-    if (E_total / r.n_group < 2) fail("routing.n_group", "each group needs at least 2 experts");
+      invalid("routing.topk_group", "expected 1 <= topk_group <= n_group, got " + std::to_string(r.topk_group));
+    if (E_total / r.n_group < 2) invalid("routing.n_group", "each group needs at least 2 experts");
     if (k > r.topk_group * (E_total / r.n_group))
-      fail("routing.top_k", "top_k exceeds the experts in the kept groups");
+      invalid("routing.top_k", "top_k exceeds the experts in the kept groups");
   }
 }
 
 CallShape validate_moe_args(const MoeWeights& weights, const MoeArgs& a, const AdapterSnapshot& adapters) {
-  if (!weights.valid()) fail("weights", "not prepared (call prepare_weights first)");
+  if (!weights.valid()) invalid("weights", "not prepared (call prepare_weights first)");
   const PreparedWeights& w = weights.impl();
   const Backend dev = w.backend;
   const int dev_id = w.device_id;
@@ -119,37 +116,37 @@ CallShape validate_moe_args(const MoeWeights& weights, const MoeArgs& a, const A
   s.E_loc = w.E;
 
   // x and T.
-  if (!a.x.present()) fail("x", "is required but absent");
-  if (a.x.ndim != 2) fail("x", "expected a 2-D tensor [T, H], got " + a.x.shape_str());
+  if (!a.x.present()) invalid("x", "is required but absent");
+  if (a.x.ndim != 2) invalid("x", "expected a 2-D tensor [T, H], got " + a.x.shape_str());
   s.T = a.x.shape[0];
   expect(a.x, "x", DType::BF16, {s.T, s.H}, dev, dev_id);
 
   // Output.
-  if (!a.y.present()) fail("y", "is required but absent");
+  if (!a.y.present()) invalid("y", "is required but absent");
   // bf16: the sum rounded once. float32 (both backends): the same fp32 sum, not rounded (moe_run_tp / moe_run_ep
   // run their local operator into such a partial). float64: the CPU reference only.
   const bool y_ok = a.y.dtype == DType::BF16 || a.y.dtype == DType::F32 || (dev == Backend::CPU && a.y.dtype == DType::F64);
   if (!y_ok)
-    fail("y", std::string("expected bfloat16 or float32") + (dev == Backend::CPU ? " (or float64 on the CPU)" : "") +
+    invalid("y", std::string("expected bfloat16 or float32") + (dev == Backend::CPU ? " (or float64 on the CPU)" : "") +
                   ", got " + to_string(a.y.dtype));
   expect(a.y, "y", a.y.dtype, {s.T, s.H}, dev, dev_id);
-  if (overlaps(a.x, a.y)) fail("y", "overlaps x; the output must not alias an input");
+  if (overlaps(a.x, a.y)) invalid("y", "overlaps x; the output must not alias an input");
 
   // Experts and the expert-parallel window.
   s.E_total = a.num_experts_total == 0 ? s.E_loc : a.num_experts_total;
   if (s.E_total < s.E_loc)
-    fail("num_experts_total", "expected >= the " + std::to_string(s.E_loc) + " local experts, got " + std::to_string(s.E_total));
+    invalid("num_experts_total", "expected >= the " + std::to_string(s.E_loc) + " local experts, got " + std::to_string(s.E_total));
   if (a.local_expert_offset < 0 || a.local_expert_offset + s.E_loc > s.E_total)
-    fail("local_expert_offset", "window [" + std::to_string(a.local_expert_offset) + ", +" + std::to_string(s.E_loc) +
+    invalid("local_expert_offset", "window [" + std::to_string(a.local_expert_offset) + ", +" + std::to_string(s.E_loc) +
                                     ") is outside [0, " + std::to_string(s.E_total) + ")");
   validate_routing(a.routing, s.T, s.E_total, dev, dev_id);
   s.k = a.routing.top_k;
 
   // Activation.
   const int av = static_cast<int>(a.activation.type);
-  if (av < 0 || av > 10) fail("activation.type", "expected an ActivationType value 0..10, got " + std::to_string(av));
+  if (av < 0 || av > 10) invalid("activation.type", "expected an ActivationType value 0..10, got " + std::to_string(av));
   if (is_gated(a.activation.type) != w.gated)
-    fail("activation.type", std::string(to_string(a.activation.type)) + (w.gated ? " is not gated but the weights hold gate and up halves"
+    invalid("activation.type", std::string(to_string(a.activation.type)) + (w.gated ? " is not gated but the weights hold gate and up halves"
                                                                                 : " is gated but the weights hold a single W1 half"));
   const bool situ = a.activation.type == ActivationType::Situ;
   expect_optional(a.activation.alpha, "activation.alpha", DType::F32, {s.E_loc}, dev, dev_id);
@@ -160,33 +157,33 @@ CallShape validate_moe_args(const MoeWeights& weights, const MoeArgs& a, const A
   check_host_values(a.activation.clamp_limit, "activation.clamp_limit", true, true);
 
   // Mode.
-  if (a.mode != ActMode::A16 && a.mode != ActMode::A4) fail("mode", "expected A16 (0) or A4 (1)");
+  if (a.mode != ActMode::A16 && a.mode != ActMode::A4) invalid("mode", "expected A16 (0) or A4 (1)");
   if (a.mode == ActMode::A4) {
     if (!a.per_token_x_scale && !finite_positive(a.fc1_input_scale))
-      fail("fc1_input_scale", "A4 mode needs a finite positive scale (or per_token_x_scale), got " + std::to_string(a.fc1_input_scale));
+      invalid("fc1_input_scale", "A4 mode needs a finite positive scale (or per_token_x_scale), got " + std::to_string(a.fc1_input_scale));
     if (!finite_positive(a.fc2_input_scale))
-      fail("fc2_input_scale", "A4 mode needs a finite positive scale, got " + std::to_string(a.fc2_input_scale));
+      invalid("fc2_input_scale", "A4 mode needs a finite positive scale, got " + std::to_string(a.fc2_input_scale));
   }
 
   // Shared expert.
   if (a.shared_expert) {
-    if (!a.shared_expert->valid()) fail("shared_expert", "not prepared");
+    if (!a.shared_expert->valid()) invalid("shared_expert", "not prepared");
     const PreparedWeights& se = a.shared_expert->impl();
-    if (se.backend != dev || se.device_id != dev_id) fail("shared_expert", "lives on another backend or device than the weights");
-    if (se.E != 1) fail("shared_expert", "expected one expert, got " + std::to_string(se.E));
-    if (se.H != s.H) fail("shared_expert", "hidden size " + std::to_string(se.H) + " differs from the layer's " + std::to_string(s.H));
-    if (se.gated != w.gated) fail("shared_expert", "gated-ness differs from the routed experts'");
+    if (se.backend != dev || se.device_id != dev_id) invalid("shared_expert", "lives on another backend or device than the weights");
+    if (se.E != 1) invalid("shared_expert", "expected one expert, got " + std::to_string(se.E));
+    if (se.H != s.H) invalid("shared_expert", "hidden size " + std::to_string(se.H) + " differs from the layer's " + std::to_string(s.H));
+    if (se.gated != w.gated) invalid("shared_expert", "gated-ness differs from the routed experts'");
     if (a.shared_params_given) {
       if (!std::isfinite(a.shared_alpha) || !std::isfinite(a.shared_beta) || std::isnan(a.shared_clamp_limit) ||
           a.shared_clamp_limit < 0.f || (situ && (a.shared_alpha <= 0.f || a.shared_beta <= 0.f)))
-        fail("shared_alpha", "shared expert activation parameters out of range");
+        invalid("shared_alpha", "shared expert activation parameters out of range");
     }
   }
 
   // LoRA.
-  if (a.adapter_ids.present() && !a.adapters) fail("adapter_ids", "given without an adapter registry (adapters)");
+  if (a.adapter_ids.present() && !a.adapters) invalid("adapter_ids", "given without an adapter registry (adapters)");
   if (a.adapters) {
-    if (a.adapters->backend() != dev) fail("adapters", "registry lives on another backend than the weights");
+    if (a.adapters->backend() != dev) invalid("adapters", "registry lives on another backend than the weights");
     expect(a.adapter_ids, "adapter_ids", DType::I32, {s.T}, dev, dev_id);
     // Every loaded slot must fit this layer (and the call's shared expert): a registry made for another layer
     // is refused here, for every backend.
@@ -195,10 +192,10 @@ CallShape validate_moe_args(const MoeWeights& weights, const MoeArgs& a, const A
       if (!ad) continue;
       const std::string slot = "slot " + std::to_string(i);
       if (ad->E != s.E_loc || ad->H != s.H || ad->I != s.I || ad->N1 != s.N1)
-        fail("adapters", slot + " was prepared for another layer shape");
+        invalid("adapters", slot + " was prepared for another layer shape");
       if (ad->has_shared && a.shared_expert &&
           (ad->s_I != a.shared_expert->impl().I || ad->s_N1 != a.shared_expert->impl().n1()))
-        fail("adapters", slot + ": its shared-expert LoRA does not match the shared expert");
+        invalid("adapters", slot + ": its shared-expert LoRA does not match the shared expert");
     }
     if (dev == Backend::CPU) {
       const int32_t* ids = a.adapter_ids.as<int32_t>();
@@ -206,7 +203,7 @@ CallShape validate_moe_args(const MoeWeights& weights, const MoeArgs& a, const A
       for (int64_t t = 0; t < s.T; ++t) {
         const int32_t id = ids[t];
         if (id < -1 || id >= slots)
-          fail("adapter_ids", "element " + std::to_string(t) + " is " + std::to_string(id) + ", expected -1 or a slot in [0, " +
+          invalid("adapter_ids", "element " + std::to_string(t) + " is " + std::to_string(id) + ", expected -1 or a slot in [0, " +
                                   std::to_string(slots) + ")");
         if (id >= 0 && !(*adapters)[id])
           throw Error(ErrorCode::NotFound, "adapter_ids", "element " + std::to_string(t) + " names slot " + std::to_string(id) +
@@ -218,17 +215,17 @@ CallShape validate_moe_args(const MoeWeights& weights, const MoeArgs& a, const A
   // Bridges.
   expect_optional(a.gate_up_lora_delta, "gate_up_lora_delta", DType::BF16, {s.T, s.k, s.N1}, dev, dev_id);
   expect_optional(a.activation_out, "activation_out", DType::BF16, {s.T, s.k, s.I}, dev, dev_id);
-  if (overlaps(a.activation_out, a.y)) fail("activation_out", "overlaps y");
-  if (overlaps(a.activation_out, a.x)) fail("activation_out", "overlaps x");
+  if (overlaps(a.activation_out, a.y)) invalid("activation_out", "overlaps y");
+  if (overlaps(a.activation_out, a.x)) invalid("activation_out", "overlaps x");
 
   // Backend-specific.
-  if (a.precision != Precision::Fp32 && a.precision != Precision::Fp64) fail("precision", "expected Fp32 or Fp64");
-  if (a.precision == Precision::Fp64 && dev != Backend::CPU) fail("precision", "Fp64 is a CPU-reference mode");
-  if (a.num_threads < 0) fail("num_threads", "must be >= 0");
+  if (a.precision != Precision::Fp32 && a.precision != Precision::Fp64) invalid("precision", "expected Fp32 or Fp64");
+  if (a.precision == Precision::Fp64 && dev != Backend::CPU) invalid("precision", "Fp64 is a CPU-reference mode");
+  if (a.num_threads < 0) invalid("num_threads", "must be >= 0");
   if (a.workspace.present()) {
-    if (dev != Backend::CUDA) fail("workspace", "only the CUDA backend takes a workspace");
-    if (a.workspace.dtype != DType::U8 || a.workspace.ndim != 1) fail("workspace", "expected a 1-D uint8 tensor, got " + a.workspace.shape_str());
-    if (a.workspace.device != Backend::CUDA || a.workspace.device_id != dev_id) fail("workspace", "must be on the weights' device");
+    if (dev != Backend::CUDA) invalid("workspace", "only the CUDA backend takes a workspace");
+    if (a.workspace.dtype != DType::U8 || a.workspace.ndim != 1) invalid("workspace", "expected a 1-D uint8 tensor, got " + a.workspace.shape_str());
+    if (a.workspace.device != Backend::CUDA || a.workspace.device_id != dev_id) invalid("workspace", "must be on the weights' device");
   }
   return s;
 }

@@ -14,6 +14,7 @@
 #endif
 
 namespace fp4moe {
+using detail::invalid;
 
 // ---- MoeWeights accessors --------------------------------------------------------------------------
 namespace {
@@ -34,18 +35,14 @@ int64_t MoeWeights::inter() const { return checked(impl_).I; }
 // ---- prepare_weights -------------------------------------------------------------------------------
 namespace {
 
-[[noreturn]] void bad(const std::string& name, const std::string& what) {
-  throw Error(ErrorCode::InvalidArgument, name, what);
-}
-
 void check_dim(int64_t v, const char* name) {
   if (v <= 0 || v % 16 != 0)
-    bad(name, "expected a positive multiple of 16, got " + std::to_string(v));
-  if (v > (int64_t{1} << 24)) bad(name, "expected at most 2^24, got " + std::to_string(v));
+    invalid(name, "expected a positive multiple of 16, got " + std::to_string(v));
+  if (v > (int64_t{1} << 24)) invalid(name, "expected at most 2^24, got " + std::to_string(v));
 }
 
 void check_absent(const TensorView& v, const char* name, const char* why) {
-  if (v.present()) bad(name, std::string("expected no tensor (") + why + "), got one of shape " +
+  if (v.present()) invalid(name, std::string("expected no tensor (") + why + "), got one of shape " +
                                  detail::view_shape_str(v));
 }
 
@@ -65,7 +62,7 @@ std::vector<uint8_t> read_block_scales(const TensorView& v, const char* name, Sc
     const bool flat = v.ndim == 2 && v.shape[0] == E && v.shape[1] == size;
     const bool padded = v.ndim == 3 && v.shape[0] == E && v.shape[1] == prow && v.shape[2] == pcol;
     if (!flat && !padded)
-      bad(name, "expected swizzled 128x4 scales of shape " + detail::shape_list_str({E, size}) + " or " +
+      invalid(name, "expected swizzled 128x4 scales of shape " + detail::shape_list_str({E, size}) + " or " +
                     detail::shape_list_str({E, prow, pcol}) + ", got " + detail::view_shape_str(v));
     std::vector<uint8_t> swz = detail::gather_u8(v, name);
     linear.resize(static_cast<size_t>(E * N * cols));
@@ -76,7 +73,7 @@ std::vector<uint8_t> read_block_scales(const TensorView& v, const char* name, Sc
   for (size_t i = 0; i < linear.size(); ++i) {
     if ((linear[i] & 0x7f) == 0x7f) {
       const int64_t idx = static_cast<int64_t>(i);
-      bad(name, "expected finite e4m3 block scales, got a NaN code at expert " + std::to_string(idx / (N * cols)) +
+      invalid(name, "expected finite e4m3 block scales, got a NaN code at expert " + std::to_string(idx / (N * cols)) +
                     ", row " + std::to_string((idx / cols) % N) + ", block " + std::to_string(idx % cols));
     }
   }
@@ -90,14 +87,14 @@ std::vector<float> read_scale2(const TensorView& v, const char* name, int64_t E,
   const bool one = (v.ndim == 1 && v.shape[0] == E) || (v.ndim == 2 && v.shape[0] == E && v.shape[1] == 1);
   const bool two = per_half_allowed && v.ndim == 2 && v.shape[0] == E && v.shape[1] == 2;
   if (!one && !two)
-    bad(name, std::string("expected shape ") + detail::shape_list_str({E}) +
+    invalid(name, std::string("expected shape ") + detail::shape_list_str({E}) +
                   (per_half_allowed ? " or " + detail::shape_list_str({E, 2}) : std::string()) + ", got " +
                   detail::view_shape_str(v));
   *per_half = two;
   std::vector<float> s = detail::gather_f32(v, name);
   for (size_t i = 0; i < s.size(); ++i)
     if (!std::isfinite(s[i]) || !(s[i] > 0.f))
-      bad(name, "expected finite scales > 0, got " + std::to_string(s[i]) + " at index " + std::to_string(i));
+      invalid(name, "expected finite scales > 0, got " + std::to_string(s[i]) + " at index " + std::to_string(i));
   return s;
 }
 
@@ -107,7 +104,7 @@ std::vector<float> read_bias(const TensorView& v, const char* name, int64_t E, i
   detail::check_shape(v, name, {E, N});
   std::vector<float> b = detail::gather_f32(v, name);
   for (size_t i = 0; i < b.size(); ++i)
-    if (!std::isfinite(b[i])) bad(name, "expected finite values, got " + std::to_string(b[i]) + " at index " +
+    if (!std::isfinite(b[i])) invalid(name, "expected finite values, got " + std::to_string(b[i]) + " at index " +
                                             std::to_string(i));
   return b;
 }
@@ -117,13 +114,13 @@ std::vector<float> read_bias(const TensorView& v, const char* name, int64_t E, i
 MoeWeights prepare_weights(const WeightsDesc& d, Backend backend, int device_id) {
   // Enums first: garbage values from a C cast must not reach the switch statements below.
   if (d.format != WeightFormat::NVFP4 && d.format != WeightFormat::BF16)
-    bad("format", "expected NVFP4 or BF16, got " + std::to_string(static_cast<int>(d.format)));
+    invalid("format", "expected NVFP4 or BF16, got " + std::to_string(static_cast<int>(d.format)));
   if (d.order != GateUpOrder::GateFirst && d.order != GateUpOrder::UpFirst)
-    bad("order", "expected GateFirst or UpFirst, got " + std::to_string(static_cast<int>(d.order)));
+    invalid("order", "expected GateFirst or UpFirst, got " + std::to_string(static_cast<int>(d.order)));
   if (d.scale_layout != ScaleLayout::Linear && d.scale_layout != ScaleLayout::Swizzled128x4)
-    bad("scale_layout", "expected Linear or Swizzled128x4, got " + std::to_string(static_cast<int>(d.scale_layout)));
+    invalid("scale_layout", "expected Linear or Swizzled128x4, got " + std::to_string(static_cast<int>(d.scale_layout)));
   if (backend != Backend::CPU && backend != Backend::CUDA)
-    bad("backend", "expected CPU or CUDA, got " + std::to_string(static_cast<int>(backend)));
+    invalid("backend", "expected CPU or CUDA, got " + std::to_string(static_cast<int>(backend)));
 #ifndef FP4MOE_WITH_CUDA
   if (backend == Backend::CUDA)
     throw Error(ErrorCode::Unsupported, "backend", "expected CPU (this build has no CUDA backend), got CUDA");
@@ -131,11 +128,11 @@ MoeWeights prepare_weights(const WeightsDesc& d, Backend backend, int device_id)
   if (backend == Backend::CUDA) {
     const int n = cuda_backend::device_count();
     if (device_id < 0 || device_id >= n)
-      bad("device_id", "expected a CUDA device in [0, " + std::to_string(n) + "), got " + std::to_string(device_id));
+      invalid("device_id", "expected a CUDA device in [0, " + std::to_string(n) + "), got " + std::to_string(device_id));
   }
 #endif
   if (d.num_experts <= 0 || d.num_experts > (int64_t{1} << 20))
-    bad("num_experts", "expected 1..2^20, got " + std::to_string(d.num_experts));
+    invalid("num_experts", "expected 1..2^20, got " + std::to_string(d.num_experts));
   check_dim(d.hidden, "hidden");
   check_dim(d.inter, "inter");
 

@@ -29,14 +29,14 @@ void expect_par_error(const std::function<void()>& f, const std::string& arg,
 }
 
 // A HostWeights (test_util's independent decoder) over a shard's storage.
-HostWeights as_host(const ShardedWeights& o, const HostWeights& like) {
+HostWeights as_host(const OwnedWeights& o, const HostWeights& like) {
   HostWeights h;
   h.format = like.format;
   h.order = like.order;
   h.gated = like.gated;
-  h.E = o.desc.num_experts;
-  h.H = o.desc.hidden;
-  h.I = o.desc.inter;
+  h.E = o.E;
+  h.H = o.H;
+  h.I = o.I;
   if (h.format == WeightFormat::NVFP4) {
     h.w1_q = o.w1;
     h.w1_sf = o.w1_scale;
@@ -45,16 +45,14 @@ HostWeights as_host(const ShardedWeights& o, const HostWeights& like) {
     h.w1_s2 = o.w1_scale2;
     h.w2_s2 = o.w2_scale2;
   } else {
-    h.w1_bf.resize(o.w1.size() / 2);
-    std::memcpy(h.w1_bf.data(), o.w1.data(), o.w1.size());
-    h.w2_bf.resize(o.w2.size() / 2);
-    std::memcpy(h.w2_bf.data(), o.w2.data(), o.w2.size());
+    h.w1_bf = o.w1_bf16;
+    h.w2_bf = o.w2_bf16;
   }
   return h;
 }
 
 // Every element of the shard equals the full weights' element at the mapped index (decoded in double).
-void check_shard_values(const HostWeights& full, const ShardedWeights& sh, int rank, int world) {
+void check_shard_values(const HostWeights& full, const OwnedWeights& sh, int rank, int world) {
   const HostWeights s = as_host(sh, full);
   const int64_t I = full.I, Is = I / world, H = full.H;
   ASSERT_EQ(s.I, Is);
@@ -74,7 +72,7 @@ void check_shard_values(const HostWeights& full, const ShardedWeights& sh, int r
         ASSERT_EQ(sh.bias1[e * s.n1() + n], full.bias1[e * full.n1() + src]);
       }
   if (!full.bias2.empty()) {
-    EXPECT_EQ(sh.desc.bias2.present(), rank == 0);
+    EXPECT_EQ(!sh.bias2.empty(), rank == 0);
     if (rank == 0) EXPECT_EQ(sh.bias2, full.bias2);
   }
 }
@@ -167,8 +165,8 @@ std::vector<std::vector<uint16_t>> run_tp(const Case& c, HostWeights& hw, Inputs
   const WeightsDesc full = hw.desc();
   std::vector<std::vector<uint16_t>> ys(static_cast<size_t>(world));
   run_ranks(world, [&](int rank) {
-    ShardedWeights sh = shard_weights_tp(full, rank, world);
-    MoeWeights w = prepare_weights(sh.desc, Backend::CPU);
+    OwnedWeights sh = shard_weights_tp(full, rank, world);
+    MoeWeights w = prepare_weights(sh.desc(), Backend::CPU);
     AdapterRegistry reg(w, 4);
     std::vector<ShardedAdapter> keep;
     MoeArgs a = in.base(c, 1);
@@ -202,8 +200,8 @@ std::vector<std::vector<uint16_t>> run_ep(const Case& c, HostWeights& hw, Inputs
   std::vector<std::vector<uint16_t>> ys(static_cast<size_t>(world));
   run_ranks(world, [&](int rank) {
     const ExpertWindow win = expert_window(c.E, rank, world);
-    ShardedWeights loc = slice_experts(full, win.offset, win.count);
-    MoeWeights w = prepare_weights(loc.desc, Backend::CPU);
+    OwnedWeights loc = slice_experts(full, win.offset, win.count);
+    MoeWeights w = prepare_weights(loc.desc(), Backend::CPU);
     AdapterRegistry reg(w, 4);
     std::vector<ShardedAdapter> keep;
     MoeArgs a = in.base(c, 1);
@@ -293,8 +291,8 @@ TEST(Parallel, ShardWeightsMatchesFullWeightsElementwise) {
       HostWeights hw = make_weights(3, 64, 128, 11, fmt, order, true, true);
       for (int world : {1, 2, 4, 8})
         for (int rank = 0; rank < world; ++rank) {
-          ShardedWeights sh = shard_weights_tp(hw.desc(), rank, world);
-          EXPECT_EQ(sh.desc.order, order);
+          OwnedWeights sh = shard_weights_tp(hw.desc(), rank, world);
+          EXPECT_EQ(sh.order, order);
           check_shard_values(hw, sh, rank, world);
         }
     }
@@ -317,8 +315,8 @@ TEST(Parallel, ShardOfSwizzledScalesEqualsShardOfLinear) {
   sw.w1_scale = make_view(s1.data(), DType::E4M3, {E, p1});
   sw.w2_scale = make_view(s2.data(), DType::E4M3, {E, p2});
   for (int rank = 0; rank < 2; ++rank) {
-    ShardedWeights a = shard_weights_tp(hw.desc(), rank, 2), b = shard_weights_tp(sw, rank, 2);
-    EXPECT_EQ(b.desc.scale_layout, ScaleLayout::Linear);
+    OwnedWeights a = shard_weights_tp(hw.desc(), rank, 2), b = shard_weights_tp(sw, rank, 2);
+    EXPECT_EQ(b.scale_layout, ScaleLayout::Linear);
     EXPECT_EQ(a.w1_scale, b.w1_scale);
     EXPECT_EQ(a.w2_scale, b.w2_scale);
     EXPECT_EQ(a.w1, b.w1);
@@ -445,8 +443,8 @@ TEST(Parallel, BadInputNamesTheArgument) {
   Inputs in = make_inputs(c);
   InProcessGroup g(2, 30.0);
   {
-    ShardedWeights l0 = slice_experts(small.desc(), 0, 2), l1 = slice_experts(small.desc(), 2, 2);
-    MoeWeights e0 = prepare_weights(l0.desc, Backend::CPU), e1 = prepare_weights(l1.desc, Backend::CPU);
+    OwnedWeights l0 = slice_experts(small.desc(), 0, 2), l1 = slice_experts(small.desc(), 2, 2);
+    MoeWeights e0 = prepare_weights(l0.desc(), Backend::CPU), e1 = prepare_weights(l1.desc(), Backend::CPU);
     std::vector<uint16_t> ya(static_cast<size_t>(c.T * c.H), 0x7fc1), yb(static_cast<size_t>(c.T * c.H), 0x7fc1);
     std::vector<std::string> names(2);
     run_ranks(2, [&](int r) {
@@ -464,8 +462,8 @@ TEST(Parallel, BadInputNamesTheArgument) {
     EXPECT_EQ(std::count(yb.begin(), yb.end(), 0x7fc1), c.T * c.H);
   }
   // TP: a y of the wrong shape is reported by the rank that has it; the other rank learns of the failure.
-  ShardedWeights s0 = shard_weights_tp(small.desc(), 0, 2), s1 = shard_weights_tp(small.desc(), 1, 2);
-  MoeWeights w0 = prepare_weights(s0.desc, Backend::CPU), w1 = prepare_weights(s1.desc, Backend::CPU);
+  OwnedWeights s0 = shard_weights_tp(small.desc(), 0, 2), s1 = shard_weights_tp(small.desc(), 1, 2);
+  MoeWeights w0 = prepare_weights(s0.desc(), Backend::CPU), w1 = prepare_weights(s1.desc(), Backend::CPU);
   std::vector<uint16_t> y0(static_cast<size_t>(c.T * c.H), 0x7fc1), y1(static_cast<size_t>(c.T * c.H), 0x7fc1);
   std::vector<std::string> args(2);
   run_ranks(2, [&](int r) {

@@ -81,8 +81,8 @@ TEST(ParallelApi, TpFloat32YRoundsToTheBf16Result) {
   std::vector<std::vector<float>> yf(2);
   std::vector<std::vector<uint16_t>> yb(2);
   run_ranks(2, [&](int r) {
-    ShardedWeights sh = shard_weights_tp(full, r, 2);
-    MoeWeights w = prepare_weights(sh.desc, Backend::CPU);
+    OwnedWeights sh = shard_weights_tp(full, r, 2);
+    MoeWeights w = prepare_weights(sh.desc(), Backend::CPU);
     MoeArgs a = s.args();
     yf[r].assign(static_cast<size_t>(s.T * s.H), 0.f);
     yb[r].assign(static_cast<size_t>(s.T * s.H), 0);
@@ -148,8 +148,8 @@ TEST(ParallelApi, ArgumentChecksAgreeAcrossRanks) {
     std::vector<std::string> names(2, "-");
     std::vector<std::vector<uint16_t>> ys(2, std::vector<uint16_t>(static_cast<size_t>(s.T * s.H), 0x7fc1));
     run_ranks(2, [&](int r) {
-      ShardedWeights sh = shard_weights_tp(full, r, 2);
-      MoeWeights w = prepare_weights(sh.desc, Backend::CPU);
+      OwnedWeights sh = shard_weights_tp(full, r, 2);
+      MoeWeights w = prepare_weights(sh.desc(), Backend::CPU);
       MoeArgs a = s.args();
       a.y = make_view(ys[r].data(), DType::BF16, {s.T, s.H});
       ParallelOutput out = ParallelOutput::AllReduce;

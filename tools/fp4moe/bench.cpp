@@ -19,7 +19,6 @@
 #include <memory>
 #include <sstream>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "fp4moe/build_info.h"
@@ -27,6 +26,8 @@
 #include "fp4moe/moe.h"
 #include "fp4moe/plan.h"
 #include "fp4moe/synthetic.h"
+#include "common/parallel_for.h"
+#include "runtime/json.h"
 #ifdef FP4MOE_WITH_CUDA
 #include <cuda_runtime.h>
 #ifdef FP4MOE_BENCH_HAVE_CUBLAS
@@ -151,16 +152,6 @@ Options parse_options(int argc, char** argv) {
 
 #ifdef FP4MOE_WITH_CUDA
 // ---- JSON output (a writer only; values are numbers, strings, booleans) --------------------------------
-std::string jstr(const std::string& s) {
-  std::string r = "\"";
-  for (unsigned char c : s) {
-    if (c == '"' || c == '\\') { r += '\\'; r += static_cast<char>(c); }
-    else if (c == '\n') r += "\\n";
-    else if (c < 0x20) { char b[8]; std::snprintf(b, sizeof b, "\\u%04x", c); r += b; }
-    else r += static_cast<char>(c);
-  }
-  return r + "\"";
-}
 std::string jnum(double v) {
   if (!std::isfinite(v)) return "null";
   char b[40];
@@ -178,7 +169,7 @@ struct JObj {
   }
   std::string dump() const {
     std::string r = "{";
-    for (size_t i = 0; i < kv.size(); ++i) r += (i ? ", " : "") + jstr(kv[i].first) + ": " + kv[i].second;
+    for (size_t i = 0; i < kv.size(); ++i) r += (i ? ", " : "") + json::quote(kv[i].first) + ": " + kv[i].second;
     return r + "}";
   }
 };
@@ -226,8 +217,8 @@ std::string markdown_table(const std::vector<CaseResult>& rs) {
 
 std::string case_json(const CaseResult& r) {
   JObj o;
-  o.add("shape", jstr(r.shape)).add("T", jint(r.T)).add("lora", jbool(r.lora)).add("status", jstr(r.status));
-  if (!r.message.empty()) o.add("message", jstr(r.message));
+  o.add("shape", json::quote(r.shape)).add("T", jint(r.T)).add("lora", jbool(r.lora)).add("status", json::quote(r.status));
+  if (!r.message.empty()) o.add("message", json::quote(r.message));
   if (r.status == "ok") {
     o.add("graph", jbool(r.graph)).add("runs", jint(r.runs));
     o.add("median_us", jnum(r.median_us)).add("p10_us", jnum(r.p10_us)).add("p90_us", jnum(r.p90_us));
@@ -240,7 +231,7 @@ std::string case_json(const CaseResult& r) {
     o.add("tflops", jnum(r.m.tflops)).add("ratio_gemm", jnum(r.m.ratio_gemm));
     o.add("floor_mem_us", jnum(r.m.floor_mem_us)).add("floor_compute_us", jnum(r.m.floor_compute_us));
     o.add("floor_us", jnum(r.m.floor_us)).add("time_over_floor", jnum(r.m.time_over_floor));
-    o.add("output_check", jstr(r.output_check));
+    o.add("output_check", json::quote(r.output_check));
   }
   return o.dump();
 }
@@ -261,17 +252,11 @@ std::vector<T> parallel_random(int64_t n, uint64_t seed, Gen gen) {
   const int64_t chunk = int64_t(1) << 22;
   const int64_t nchunks = (n + chunk - 1) / chunk;
   std::vector<T> out(static_cast<size_t>(n));
-  const unsigned nt = std::max(1u, std::min(16u, std::thread::hardware_concurrency()));
-  std::vector<std::thread> th;
-  for (unsigned w = 0; w < nt; ++w)
-    th.emplace_back([&, w] {
-      for (int64_t c = w; c < nchunks; c += nt) {
-        const int64_t b = c * chunk, len = std::min(chunk, n - b);
-        const std::vector<T> v = gen(len, seed * 1000003 + static_cast<uint64_t>(c));
-        std::copy(v.begin(), v.end(), out.begin() + b);
-      }
-    });
-  for (auto& t : th) t.join();
+  parallel_for(nchunks, default_threads(16), [&](int64_t c) {
+    const int64_t b = c * chunk, len = std::min(chunk, n - b);
+    const std::vector<T> v = gen(len, seed * 1000003 + static_cast<uint64_t>(c));
+    std::copy(v.begin(), v.end(), out.begin() + b);
+  });
   return out;
 }
 
@@ -805,32 +790,32 @@ int run_bench_cuda(const Options& o) {
     std::string archs;
     for (const auto& a : bi.cuda_archs) archs += (archs.empty() ? "" : ",") + a;
     JObj machine;
-    machine.add("gpu", jstr(prop.name)).add("sms", jint(prop.multiProcessorCount)).add("l2_bytes", jint(prop.l2CacheSize));
+    machine.add("gpu", json::quote(prop.name)).add("sms", jint(prop.multiProcessorCount)).add("l2_bytes", jint(prop.l2CacheSize));
     machine.add("memory_bytes", jint(static_cast<int64_t>(prop.totalGlobalMem)));
-    machine.add("compute_capability", jstr(std::to_string(prop.major) + "." + std::to_string(prop.minor)));
+    machine.add("compute_capability", json::quote(std::to_string(prop.major) + "." + std::to_string(prop.minor)));
     machine.add("sm_clock_mhz", jint(sm_khz / 1000)).add("memory_clock_mhz", jint(mem_khz / 1000)).add("memory_bus_bits", jint(bus));
     machine.add("driver", jint(drv)).add("runtime", jint(rt));
     JObj build;
-    build.add("version", jstr(bi.version)).add("source_hash", jstr(bi.source_hash)).add("cxx", jstr(bi.cxx_compiler));
-    build.add("cuda", jstr(bi.cuda_compiler)).add("archs", jstr(archs));
+    build.add("version", json::quote(bi.version)).add("source_hash", json::quote(bi.source_hash)).add("cxx", json::quote(bi.cxx_compiler));
+    build.add("cuda", json::quote(bi.cuda_compiler)).add("archs", json::quote(archs));
     JObj method;
-    method.add("timing", jstr("CUDA events around one CUDA-graph replay of moe_run"));
-    method.add("l2", jstr(d.flush_method)).add("runs_min", jint(o.runs)).add("runs_max", jint(o.max_runs));
+    method.add("timing", json::quote("CUDA events around one CUDA-graph replay of moe_run"));
+    method.add("l2", json::quote(d.flush_method)).add("runs_min", jint(o.runs)).add("runs_max", jint(o.max_runs));
     method.add("min_time_s", jnum(o.min_time_s)).add("input_sets", jint(o.sets)).add("warmup", jint(2 * o.sets));
-    method.add("format", jstr(o.format == WeightFormat::NVFP4 ? "nvfp4" : "bf16")).add("mode", jstr("A16"));
-    method.add("lora", jstr("8 PEFT-fused adapters of rank 16, adapter_ids = t % 8"));
-    method.add("weight_bytes", jstr("per local expert routed to at least once: W1 + W2 (NVFP4: codes + e4m3 scales + fp32 "
+    method.add("format", json::quote(o.format == WeightFormat::NVFP4 ? "nvfp4" : "bf16")).add("mode", json::quote("A16"));
+    method.add("lora", json::quote("8 PEFT-fused adapters of rank 16, adapter_ids = t % 8"));
+    method.add("weight_bytes", json::quote("per local expert routed to at least once: W1 + W2 (NVFP4: codes + e4m3 scales + fp32 "
                                     "global scales; bf16: 2 bytes an element); LoRA rows add the touched (adapter, expert) "
                                     "A and B matrices"));
-    method.add("floor", jstr("max((weight + io bytes) / copy ceiling, flops / gemm ceiling)"));
+    method.add("floor", json::quote("max((weight + io bytes) / copy ceiling, flops / gemm ceiling)"));
     JObj ceilings;
     ceilings.add("copy_gbps", jnum(ceil.copy_gbps)).add("copy_bytes", jint(ceil.copy_bytes));
-    ceilings.add("copy", jstr("cudaMemcpyAsync device to device, bytes read + written, median of 10"));
-    ceilings.add("gemm_tflops", jnum(ceil.gemm_tflops)).add("gemm", jstr(ceil.gemm_method));
+    ceilings.add("copy", json::quote("cudaMemcpyAsync device to device, bytes read + written, median of 10"));
+    ceilings.add("gemm_tflops", jnum(ceil.gemm_tflops)).add("gemm", json::quote(ceil.gemm_method));
     std::string cases = "[\n";
     for (size_t i = 0; i < results.size(); ++i) cases += "    " + case_json(results[i]) + (i + 1 < results.size() ? ",\n" : "\n");
     cases += "  ]";
-    const std::string doc = "{\n  \"tool\": \"fp4moe bench\",\n  \"date\": " + jstr(utc_now()) + ",\n  \"complete\": " + jbool(complete) +
+    const std::string doc = "{\n  \"tool\": \"fp4moe bench\",\n  \"date\": " + json::quote(utc_now()) + ",\n  \"complete\": " + jbool(complete) +
                             ",\n  \"machine\": " +
                             machine.dump() + ",\n  \"build\": " + build.dump() + ",\n  \"method\": " + method.dump() +
                             ",\n  \"ceilings\": " + ceilings.dump() + ",\n  \"cases\": " + cases + "\n}\n";

@@ -34,6 +34,7 @@
 #include "fp4moe/model_shapes.h"
 #include "fp4moe/moe.h"
 #include "fp4moe/synthetic.h"
+#include "runtime/json.h"
 #include "runtime/prepared.h"
 #ifdef FP4MOE_WITH_CUDA
 #include <cuda_runtime.h>
@@ -1011,37 +1012,20 @@ void run_shape(const Context& ctx, const ModelShape& shape) {
   }
 }
 
-std::string json_escape(const std::string& s) {
-  std::string o;
-  for (char c : s) {
-    if (c == '"' || c == '\\') {
-      o += '\\';
-      o += c;
-    } else if (static_cast<unsigned char>(c) < 0x20) {
-      char buf[8];
-      std::snprintf(buf, sizeof buf, "\\u%04x", c);
-      o += buf;
-    } else {
-      o += c;
-    }
-  }
-  return o;
-}
-
 bool write_json(const std::string& path, const Reporter& rep, const std::string& backend, int64_t experts, int64_t tokens) {
   FILE* f = std::fopen(path.c_str(), "w");
   if (!f) return false;
   const BuildInfo bi = build_info();
-  std::fprintf(f, "{\n  \"tool\": \"fp4moe check\",\n  \"version\": \"%s\",\n  \"source_hash\": \"%s\",\n",
-               json_escape(bi.version).c_str(), json_escape(bi.source_hash).c_str());
-  std::fprintf(f, "  \"backend\": \"%s\",\n  \"experts\": %lld,\n  \"tokens\": %lld,\n", backend.c_str(), (long long)experts,
+  std::fprintf(f, "{\n  \"tool\": \"fp4moe check\",\n  \"version\": %s,\n  \"source_hash\": %s,\n",
+               json::quote(bi.version).c_str(), json::quote(bi.source_hash).c_str());
+  std::fprintf(f, "  \"backend\": %s,\n  \"experts\": %lld,\n  \"tokens\": %lld,\n", json::quote(backend).c_str(), (long long)experts,
                (long long)tokens);
   std::fprintf(f, "  \"passed\": %d,\n  \"failed\": %d,\n  \"checks\": [\n", rep.passed(), rep.failed());
   const auto& r = rep.records();
   for (size_t i = 0; i < r.size(); ++i)
-    std::fprintf(f, "    {\"scope\": \"%s\", \"phase\": \"%s\", \"name\": \"%s\", \"pass\": %s, \"detail\": \"%s\"}%s\n",
-                 json_escape(r[i].scope).c_str(), json_escape(r[i].phase).c_str(), json_escape(r[i].name).c_str(),
-                 r[i].pass ? "true" : "false", json_escape(r[i].detail).c_str(), i + 1 < r.size() ? "," : "");
+    std::fprintf(f, "    {\"scope\": %s, \"phase\": %s, \"name\": %s, \"pass\": %s, \"detail\": %s}%s\n",
+                 json::quote(r[i].scope).c_str(), json::quote(r[i].phase).c_str(), json::quote(r[i].name).c_str(),
+                 r[i].pass ? "true" : "false", json::quote(r[i].detail).c_str(), i + 1 < r.size() ? "," : "");
   std::fprintf(f, "  ]\n}\n");
   return std::fclose(f) == 0;
 }
