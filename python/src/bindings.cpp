@@ -11,10 +11,12 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "fp4moe/build_info.h"
@@ -151,17 +153,31 @@ TensorView get(const nb::dict& d, const char* name, Keep& keep, bool writable = 
 }
 
 // Every key must be one this call knows: a misspelled tensor name must not be ignored silently.
-void check_keys(const nb::dict& d, std::initializer_list<const char*> known, const char* what) {
+// The tensors of a descriptor struct, by their Python names: one table gives both the accepted keys and
+// where each view goes.
+template <class Desc> struct ViewField {
+  const char* name;
+  TensorView Desc::*member;
+};
+template <class Desc, size_t N>
+void read_views(const nb::dict& t, const ViewField<Desc> (&fields)[N], const char* what, Keep& keep, Desc& d);
+
+void check_keys(const nb::dict& d, const std::vector<std::string_view>& known, const char* what) {
   for (auto [k, v] : d) {
     const std::string key = nb::cast<std::string>(k);
-    bool ok = false;
-    for (const char* n : known) ok = ok || key == n;
-    if (!ok) {
-      std::string list;
-      for (const char* n : known) list += std::string(list.empty() ? "" : ", ") + n;
-      bad(key, std::string("unknown tensor for ") + what + "; expected one of: " + list);
-    }
+    if (std::find(known.begin(), known.end(), key) != known.end()) continue;
+    std::string list;
+    for (const std::string_view n : known) list += std::string(list.empty() ? "" : ", ") + std::string(n);
+    bad(key, std::string("unknown tensor for ") + what + "; expected one of: " + list);
   }
+}
+
+template <class Desc, size_t N>
+void read_views(const nb::dict& t, const ViewField<Desc> (&fields)[N], const char* what, Keep& keep, Desc& d) {
+  std::vector<std::string_view> names;
+  for (const auto& f : fields) names.push_back(f.name);
+  check_keys(t, names, what);
+  for (const auto& f : fields) d.*(f.member) = get(t, f.name, keep);
 }
 
 // A NumPy array that owns a moved-in vector.
@@ -194,9 +210,13 @@ nb::dict describe(nb::handle obj) {
 
 MoeWeights py_prepare_weights(const nb::dict& t, int format, int order, int scale_layout, bool gated, int64_t E,
                               int64_t H, int64_t I, int backend, int device_id) {
-  check_keys(t, {"w1", "w1_scale", "w1_scale2", "w2", "w2_scale", "w2_scale2", "bias1", "bias2"}, "prepare_weights");
+  static constexpr ViewField<WeightsDesc> kFields[] = {
+      {"w1", &WeightsDesc::w1},       {"w1_scale", &WeightsDesc::w1_scale}, {"w1_scale2", &WeightsDesc::w1_scale2},
+      {"w2", &WeightsDesc::w2},       {"w2_scale", &WeightsDesc::w2_scale}, {"w2_scale2", &WeightsDesc::w2_scale2},
+      {"bias1", &WeightsDesc::bias1}, {"bias2", &WeightsDesc::bias2}};
   Keep keep;
   WeightsDesc d;
+  read_views(t, kFields, "prepare_weights", keep, d);
   d.format = static_cast<WeightFormat>(format);
   d.order = static_cast<GateUpOrder>(order);
   d.scale_layout = static_cast<ScaleLayout>(scale_layout);
@@ -204,14 +224,6 @@ MoeWeights py_prepare_weights(const nb::dict& t, int format, int order, int scal
   d.num_experts = E;
   d.hidden = H;
   d.inter = I;
-  d.w1 = get(t, "w1", keep);
-  d.w1_scale = get(t, "w1_scale", keep);
-  d.w1_scale2 = get(t, "w1_scale2", keep);
-  d.w2 = get(t, "w2", keep);
-  d.w2_scale = get(t, "w2_scale", keep);
-  d.w2_scale2 = get(t, "w2_scale2", keep);
-  d.bias1 = get(t, "bias1", keep);
-  d.bias2 = get(t, "bias2", keep);
   nb::gil_scoped_release release;
   return prepare_weights(d, static_cast<Backend>(backend), device_id);
 }
@@ -258,27 +270,21 @@ nb::dict py_quantize_weights(const nb::dict& t, int format, int order, bool gate
 
 void py_load(AdapterRegistry& reg, int slot, const nb::dict& t, int layout, int64_t rank, float lora_alpha,
              bool use_rslora) {
-  check_keys(t, {"a_gate", "a_up", "b_gate", "b_up", "a_gate_up", "b_gate_up", "a_down", "b_down",
-                 "shared_a_gate_up", "shared_b_gate_up", "shared_a_down", "shared_b_down"},
-             "AdapterRegistry.load");
+  using L = LoraAdapterDesc;
+  static constexpr ViewField<L> kFields[] = {
+      {"a_gate", &L::a_gate},       {"a_up", &L::a_up},
+      {"b_gate", &L::b_gate},       {"b_up", &L::b_up},
+      {"a_gate_up", &L::a_gate_up}, {"b_gate_up", &L::b_gate_up},
+      {"a_down", &L::a_down},       {"b_down", &L::b_down},
+      {"shared_a_gate_up", &L::shared_a_gate_up}, {"shared_b_gate_up", &L::shared_b_gate_up},
+      {"shared_a_down", &L::shared_a_down},       {"shared_b_down", &L::shared_b_down}};
   Keep keep;
   LoraAdapterDesc d;
   d.layout = static_cast<LoraLayout>(layout);
   d.rank = rank;
   d.lora_alpha = lora_alpha;
   d.use_rslora = use_rslora;
-  d.a_gate = get(t, "a_gate", keep);
-  d.a_up = get(t, "a_up", keep);
-  d.b_gate = get(t, "b_gate", keep);
-  d.b_up = get(t, "b_up", keep);
-  d.a_gate_up = get(t, "a_gate_up", keep);
-  d.b_gate_up = get(t, "b_gate_up", keep);
-  d.a_down = get(t, "a_down", keep);
-  d.b_down = get(t, "b_down", keep);
-  d.shared_a_gate_up = get(t, "shared_a_gate_up", keep);
-  d.shared_b_gate_up = get(t, "shared_b_gate_up", keep);
-  d.shared_a_down = get(t, "shared_a_down", keep);
-  d.shared_b_down = get(t, "shared_b_down", keep);
+  read_views(t, kFields, "AdapterRegistry.load", keep, d);
   nb::gil_scoped_release release;
   reg.load(slot, d);
 }

@@ -7,31 +7,16 @@ Runs against the extension found by the package: an installed wheel, or a CMake 
 from __future__ import annotations
 
 import math
-import os
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 ml_dtypes = pytest.importorskip("ml_dtypes", reason="ml_dtypes is needed for NumPy bfloat16")
 
-REPO = Path(__file__).resolve().parents[2]
+from fp4moe_under_test import import_fp4moe  # noqa: E402
 
 
-def _import_fp4moe():
-    # The source package (python/) unless FP4MOE_TEST_INSTALLED=1 asks for the installed one.
-    if os.environ.get("FP4MOE_TEST_INSTALLED") != "1" and str(REPO / "python") not in sys.path:
-        sys.path.insert(0, str(REPO / "python"))
-    try:
-        import fp4moe
-    except ImportError as e:
-        pytest.skip(f"fp4moe extension not built ({e}); build with -DFP4MOE_BUILD_PYTHON=ON and set "
-                    f"FP4MOE_BUILD_DIR, or pip install .", allow_module_level=True)
-    return fp4moe
-
-
-fp4moe = _import_fp4moe()
+fp4moe = import_fp4moe()
 BF16 = np.dtype(ml_dtypes.bfloat16)
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 

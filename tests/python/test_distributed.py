@@ -13,21 +13,12 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-if os.environ.get("FP4MOE_TEST_INSTALLED") != "1" and str(REPO / "python") not in sys.path:
-    sys.path.insert(0, str(REPO / "python"))
-
-try:
-    import fp4moe
-    import fp4moe.distributed as fd
-    import fp4moe.launch as launch
-except ImportError as e:  # the extension is not built
-    pytest.skip(f"fp4moe extension not built ({e})", allow_module_level=True)
+from fp4moe_under_test import REPO, import_fp4moe  # noqa: E402
+fp4moe, fd, launch = import_fp4moe("distributed", "launch")
 
 
 def _env():

@@ -7,29 +7,15 @@ Skips without the built extension.
 """
 from __future__ import annotations
 
-import os
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 ml_dtypes = pytest.importorskip("ml_dtypes", reason="ml_dtypes is needed for NumPy bfloat16")
-REPO = Path(__file__).resolve().parents[2]
+from fp4moe_under_test import import_fp4moe  # noqa: E402
 
 
-def _import():
-    if os.environ.get("FP4MOE_TEST_INSTALLED") != "1" and str(REPO / "python") not in sys.path:
-        sys.path.insert(0, str(REPO / "python"))
-    try:
-        import fp4moe
-        import fp4moe.flashinfer_compat as fic
-    except ImportError as e:
-        pytest.skip(f"fp4moe extension not built ({e})", allow_module_level=True)
-    return fp4moe, fic
-
-
-fp4moe, fic = _import()
+fp4moe, fic = import_fp4moe("flashinfer_compat")
 BF16 = np.dtype(ml_dtypes.bfloat16)
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 E, H, I, T, K = 8, 64, 64, 16, 2  # I = 64 so that 2I and H are multiples of the 32-row shuffle block

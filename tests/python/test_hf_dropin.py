@@ -8,9 +8,7 @@ CUDA when a CUDA build and GPU are present. Skips without PyTorch, transformers 
 """
 from __future__ import annotations
 
-import os
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -20,23 +18,12 @@ peft = pytest.importorskip("peft", reason="needs peft")
 if int(transformers.__version__.split(".")[0]) < 5:
     pytest.skip("needs transformers >= 5 (fused experts)", allow_module_level=True)
 
-REPO = Path(__file__).resolve().parents[2]
+from fp4moe_under_test import REPO, import_fp4moe  # noqa: E402
 
 
-def _import():
-    if os.environ.get("FP4MOE_TEST_INSTALLED") != "1" and str(REPO / "python") not in sys.path:
-        sys.path.insert(0, str(REPO / "python"))
-    try:
-        import fp4moe
-        import fp4moe.hf
-    except ImportError as e:
-        pytest.skip(f"fp4moe extension not built ({e})", allow_module_level=True)
-    sys.path.insert(0, str(REPO / "examples"))
-    import qwen3_moe_lora
-    return fp4moe, qwen3_moe_lora
-
-
-fp4moe, example = _import()
+fp4moe, _ = import_fp4moe("hf")
+sys.path.insert(0, str(REPO / "examples"))
+import qwen3_moe_lora as example  # noqa: E402
 TINY = dict(hidden=64, inter=32, experts=4, top_k=2, layers=2, vocab=128, batch=2, seq=6, rank=4, alpha=8.0)
 
 

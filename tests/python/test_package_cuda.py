@@ -3,24 +3,16 @@ METADATA.json's cubins, and the operator against the package's own CPU reference
 without a CUDA build, a GPU or PyTorch."""
 from __future__ import annotations
 
-import os
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from fp4moe_under_test import import_fp4moe  # noqa: E402
 ml_dtypes = pytest.importorskip("ml_dtypes", reason="ml_dtypes is needed for NumPy bfloat16")
 
 
 def _import():
-    if os.environ.get("FP4MOE_TEST_INSTALLED") != "1" and str(REPO / "python") not in sys.path:
-        sys.path.insert(0, str(REPO / "python"))
-    try:
-        import fp4moe
-    except ImportError as e:
-        pytest.skip(f"fp4moe extension not built ({e})", allow_module_level=True)
+    fp4moe = import_fp4moe()
     if not fp4moe.build_info()["with_cuda"]:
         pytest.skip("fp4moe was built without the CUDA backend", allow_module_level=True)
     if fp4moe.build_info()["cuda_devices"] == 0:

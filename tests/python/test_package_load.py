@@ -9,19 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from fp4moe_under_test import REPO, import_fp4moe  # noqa: E402
 
 
 def _built_extension_dir() -> Path:
-    if os.environ.get("FP4MOE_TEST_INSTALLED") != "1" and str(REPO / "python") not in sys.path:
-        sys.path.insert(0, str(REPO / "python"))
-    try:
-        import fp4moe
-    except ImportError as e:
-        pytest.skip(f"fp4moe extension not built ({e})", allow_module_level=True)
-    return Path(fp4moe._C.__file__).resolve().parent
+    return Path(import_fp4moe()._C.__file__).resolve().parent
 
 
 EXT_DIR = _built_extension_dir()

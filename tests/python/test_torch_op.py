@@ -8,28 +8,14 @@ allocation, no host synchronization inside the capture) are bit-identical, also 
 """
 from __future__ import annotations
 
-import os
-import sys
-from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch", reason="the custom op needs PyTorch")
-REPO = Path(__file__).resolve().parents[2]
+from fp4moe_under_test import import_fp4moe  # noqa: E402
 
 
-def _import():
-    if os.environ.get("FP4MOE_TEST_INSTALLED") != "1" and str(REPO / "python") not in sys.path:
-        sys.path.insert(0, str(REPO / "python"))
-    try:
-        import fp4moe
-        import fp4moe.torch_ops as ops
-    except ImportError as e:
-        pytest.skip(f"fp4moe extension not built ({e})", allow_module_level=True)
-    return fp4moe, ops
-
-
-fp4moe, ops = _import()
+fp4moe, ops = import_fp4moe("torch_ops")
 E, H, I, K = 8, 64, 32, 2
 
 
