@@ -14,11 +14,7 @@ t0=$(date +%s)
 S="$OUT/0-summary.log"
 . "$(dirname "$0")/lib.sh"
 export PATH=/usr/local/cuda/bin:$PATH NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
-{
-  echo "# date: $(date -u +%FT%TZ)"
-  echo "# revision: $(cat .device-rev 2>/dev/null || echo unknown)"
-  nvidia-smi --query-gpu=index,name,driver_version,memory.total,clocks.max.sm --format=csv,noheader 2>&1
-} >> "$S"
+header
 
 ( cmake -S . -B build-py -DCMAKE_BUILD_TYPE=Release -DFP4MOE_BUILD_PYTHON=ON -DFP4MOE_BUILD_TESTS=OFF \
     -DFP4MOE_BUILD_TOOLS=OFF > /tmp/py-build.log 2>&1 && nice cmake --build build-py -j8 --target _C >> /tmp/py-build.log 2>&1

@@ -12,3 +12,11 @@ step() {
   say "== $name: rc=$rc in $(( $(date +%s) - s )) s (cap $cap s)"
   return $rc
 }
+# The first lines of a summary: date, revision (.device-rev, written beside an unpacked `git archive`), GPUs.
+header() {
+  {
+    echo "# date: $(date -u +%FT%TZ) $*"
+    echo "# revision: $(cat .device-rev 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+    nvidia-smi --query-gpu=index,name,driver_version,memory.total,clocks.max.sm --format=csv,noheader 2>&1
+  } >> "$S"
+}

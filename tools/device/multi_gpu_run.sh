@@ -20,26 +20,13 @@ CHECK_ARGS=${CHECK_ARGS:-}
 t0=$(date +%s)
 S="$OUT/summary.log"
 : > "$S"
-say() { echo "$*" | tee -a "$S"; }
-left() { echo $(( BUDGET - ($(date +%s) - t0) )); }
-# step NAME CAP CMD...: runs CMD with min(CAP, time left) seconds (SIGKILL after), output to $OUT/NAME.log.
-step() {
-  local name=$1 cap=$2; shift 2
-  local l; l=$(left); [ "$l" -lt "$cap" ] && cap=$l
-  if [ "$cap" -le 5 ]; then say "== $name: skipped (no time left)"; return 124; fi
-  local s=$(date +%s)
-  timeout -s KILL "$cap" "$@" > "$OUT/$name.log" 2>&1
-  local rc=$?
-  say "== $name: rc=$rc in $(( $(date +%s) - s )) s (cap $cap s)"
-  return $rc
-}
+. "$(dirname "$0")/lib.sh"
 export PATH=/usr/local/cuda/bin:$PATH
 # NVLink SHARP (multicast) must stay off: the GPUs' host is shared.
 export NCCL_NVLS_ENABLE=0
 export PYTHONUNBUFFERED=1
+header
 {
-  echo "# date: $(date -u +%FT%TZ)  revision: $(cat .device-rev 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)"
-  nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader 2>&1
   nvidia-smi topo -m 2>&1 | head -4
   python3 -c "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version(), 'gpus', torch.cuda.device_count())" 2>&1 | tail -1
   echo "NCCL_NVLS_ENABLE=$NCCL_NVLS_ENABLE"

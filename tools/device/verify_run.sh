@@ -18,11 +18,7 @@ FILTER=${FILTER:-*}
 t0=$(date +%s)
 S="$OUT/0-summary.log"
 . "$(dirname "$0")/lib.sh"
-{
-  echo "# date: $(date -u +%FT%TZ)"
-  echo "# revision: $(cat .device-rev 2>/dev/null || echo unknown)"
-  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader 2>&1
-} >> "$S"
+header
 export PATH=/usr/local/cuda/bin:$PATH
 
 # Background 1: the Python extension (for this machine's Python).
