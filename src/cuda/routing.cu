@@ -108,8 +108,9 @@ __global__ void routing_kernel(RoutingParams p) {
     }
   }
 
-  // Top-k: k rounds of a warp argmax; the owner lane marks the winner taken.
-  int my_id = -1;  // lane j < k keeps slot j's id
+  // Top-k: k rounds of a warp argmax; the owner lane marks the winner taken. Lane l keeps the ids of
+  // slots l and l + 32 (k <= 64) in registers: the weights below never read them back from memory.
+  int my_id[2] = {-1, -1};
   for (int j = 0; j < k; ++j) {
     float bs = 0.f;
     int bi = -1;
@@ -123,62 +124,68 @@ __global__ void routing_kernel(RoutingParams p) {
       const int i = bi >> 5;
       excluded[i >> 5] |= 1u << (i & 31);
     }
-    if (lane == (j & 31)) my_id = (j < 32) ? bi : my_id;
-    if (j >= 32 && lane == 0) p.ids[static_cast<int64_t>(t) * k + j] = bi;  // k > 32: written directly
+    if (lane == (j & 31)) {
+      if (j < 32) my_id[0] = bi;
+      else my_id[1] = bi;
+    }
   }
-  if (lane < k && lane < 32) p.ids[static_cast<int64_t>(t) * k + lane] = my_id;
-  __syncwarp();
-
-  // Weights, serially in slot order as the reference does.
-  if (lane != 0) return;
-  const int32_t* ids = p.ids + static_cast<int64_t>(t) * k;
+  int* ids = p.ids + static_cast<int64_t>(t) * k;
   float* w = p.weights + static_cast<int64_t>(t) * k;
+  // Weights, in parallel over the slots; the sums over slots run in slot order (the reference's order)
+  // on every lane through shuffles. v: the value each slot's weight is made from.
+  float v[2] = {0.f, 0.f};
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    if (lane + 32 * h >= k) continue;
+    const int id = my_id[h];
+    ids[lane + 32 * h] = id;
+    v[h] = (method == RoutingMethod::DeepSeekV3 || method == RoutingMethod::MiniMax2) ? act::sigmoid(read_logit(p, t, id))
+                                                                                       : sel[id];
+  }
+  auto slot_sum = [&](const float x[2]) {  // sum over slots 0, 1, ..., k-1 of x, left to right
+    float acc = 0.f;
+    for (int j = 0; j < k; ++j) acc += __shfl_sync(0xffffffffu, j < 32 ? x[0] : x[1], j & 31);
+    return acc;
+  };
+  float out[2] = {v[0], v[1]};
   const float rsf = p.routed_scaling_factor;
   switch (method) {
     case RoutingMethod::Default:
-      for (int j = 0; j < k; ++j) w[j] = sel[ids[j]];
+    case RoutingMethod::TopK:
+    case RoutingMethod::Sigmoid:
       break;
     case RoutingMethod::RenormalizeNaive: {
-      float cs = 0.f;
-      for (int j = 0; j < k; ++j) cs += sel[ids[j]];
-      for (int j = 0; j < k; ++j) w[j] = sel[ids[j]] / cs;
+      const float cs = slot_sum(v);
+      for (int h = 0; h < 2; ++h) out[h] = v[h] / cs;
       break;
     }
-    case RoutingMethod::Renormalize: {
-      const float mx = sel[ids[0]];
-      float s = 0.f;
-      for (int j = 0; j < k; ++j) { w[j] = expf(sel[ids[j]] - mx); s += w[j]; }
-      for (int j = 0; j < k; ++j) w[j] = w[j] / s;
+    case RoutingMethod::Renormalize: {  // softmax over the chosen k; the max is slot 0's logit
+      const float mx = __shfl_sync(0xffffffffu, v[0], 0);
+      for (int h = 0; h < 2; ++h) out[h] = expf(v[h] - mx);
+      const float sum = slot_sum(out);
+      for (int h = 0; h < 2; ++h) out[h] = out[h] / sum;
       break;
     }
-    case RoutingMethod::TopK:
-      for (int j = 0; j < k; ++j) w[j] = sel[ids[j]];
-      break;
     case RoutingMethod::Llama4:
     case RoutingMethod::TopKSigmoid:
-      for (int j = 0; j < k; ++j) w[j] = act::sigmoid(sel[ids[j]]);
-      break;
-    case RoutingMethod::Sigmoid:
-      for (int j = 0; j < k; ++j) w[j] = sel[ids[j]];
+      for (int h = 0; h < 2; ++h) out[h] = act::sigmoid(v[h]);
       break;
     case RoutingMethod::SigmoidRenorm: {
-      float cs = 0.f;
-      for (int j = 0; j < k; ++j) cs += sel[ids[j]];
-      for (int j = 0; j < k; ++j) w[j] = sel[ids[j]] / (cs + 1e-20f);
+      const float cs = slot_sum(v);
+      for (int h = 0; h < 2; ++h) out[h] = v[h] / (cs + 1e-20f);
       break;
     }
     case RoutingMethod::DeepSeekV3:
     case RoutingMethod::MiniMax2: {
-      float cs = 0.f;
-      for (int j = 0; j < k; ++j) cs += act::sigmoid(read_logit(p, t, ids[j]));
-      for (int j = 0; j < k; ++j) {
-        const float s = act::sigmoid(read_logit(p, t, ids[j]));
-        w[j] = method == RoutingMethod::DeepSeekV3 ? __fdiv_rn(__fmul_rn(s, rsf), cs + 1e-20f)
-                                                   : __fmul_rn(__fdiv_rn(s, cs + 1e-20f), rsf);
-      }
+      const float cs = slot_sum(v);
+      for (int h = 0; h < 2; ++h)
+        out[h] = method == RoutingMethod::DeepSeekV3 ? __fdiv_rn(__fmul_rn(v[h], rsf), cs + 1e-20f)
+                                                     : __fmul_rn(__fdiv_rn(v[h], cs + 1e-20f), rsf);
       break;
     }
   }
+  for (int h = 0; h < 2; ++h)
+    if (lane + 32 * h < k) w[lane + 32 * h] = out[h];
 }
 
 }  // namespace
