@@ -127,7 +127,7 @@ constexpr int64_t kMaxLoraRank = 64;              // an adapter's r (SPEC §5)
 
 constexpr int kNumGemmConfigs = 4;
 inline constexpr GemmConfig kGemmConfigs[kNumGemmConfigs] = {
-    {8, 64, 64, 1, 4, 16, true},   // decode: <= 8 rows per expert tile, small token stage, 16 stages in flight
+    {8, 128, 64, 1, 8, 8, true},   // decode: <= 8 rows per expert tile, small token stage, many bytes in flight
     {32, 64, 64, 1, 4, 8, true},   // small batches: <= 32 rows per expert tile, weights read once
     {64, 128, 64, 2, 4, 3},        // medium
     {128, 128, 64, 2, 4, 3},       // prefill
