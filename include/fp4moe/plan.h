@@ -78,6 +78,9 @@ struct MoePlan {
   int64_t max_m_tiles = 0;      // upper bound of sum_e ceil(rows_e / bm) over any routing
   int64_t shared_n1 = 0, shared_n1_tiles = 0, shared_m_tiles = 0, shared_k2_pad = 0;
   size_t gemm_smem = 0;         // dynamic shared memory per GEMM block
+  // Split-K of the weights-as-A tiles when their grid is small (decode): blocks per tile along K, in whole
+  // kKChunk chunks (1 = no split). The bits do not depend on it (every tile sums the same chunk sums in order).
+  int split1 = 1, split2 = 1, shared_split1 = 1, shared_split2 = 1;
 
   // Combine: one thread per 4 outputs of a token.
   int combine_threads = 0;
@@ -97,6 +100,8 @@ struct MoePlan {
   WorkspaceBuffer x_scale;        // A4: f32 [chunk] FC1 input dequant scale per token
   WorkspaceBuffer act;            // bf16 [rows, I]: GEMM2 input in permuted row order
   WorkspaceBuffer out;            // f32 [rows, H]: o per entry t*k + j
+  WorkspaceBuffer split_partials; // f32: per split tile, per K chunk, the chunk sums of every thread
+  WorkspaceBuffer split_counters; // i32 [tiles]: blocks of a split tile done (zero between calls)
   WorkspaceBuffer shared_act;     // bf16 [chunk, shared_I]
   WorkspaceBuffer shared_out;     // f32 [chunk, H]
   // Multi-LoRA (has_lora): the shrink products t = bf16(in . A^T) kept as f32, expanded in the GEMM
@@ -124,6 +129,11 @@ constexpr int64_t kMaxGroups = 64;
 constexpr int64_t kMaxTokens = int64_t(1) << 30;
 constexpr int64_t kMaxHidden = int64_t(1) << 20;  // H, I: keeps every per-row index inside int32
 constexpr int64_t kMaxLoraRank = 64;              // an adapter's r (SPEC §5)
+
+// The canonical K order of the GEMMs (src/cuda/gemm_mainloop.cuh): chains over chunks of kKChunk, chunk sums
+// added in order. Split-K aims at kSplitTargetBlocks blocks (two per SM of an H200) when a grid is smaller.
+constexpr int64_t kKChunk = 512;
+constexpr int64_t kSplitTargetBlocks = 264;
 
 constexpr int kNumGemmConfigs = 4;
 inline constexpr GemmConfig kGemmConfigs[kNumGemmConfigs] = {

@@ -5,6 +5,7 @@
 #include "cuda/backend.h"
 
 #include <algorithm>
+#include <cstring>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -12,6 +13,7 @@
 #include "common/activation.h"
 #include "common/parallel_for.h"
 #include "cuda/kernels.h"
+#include "format/nvfp4_prepared.h"
 #include "fp4moe/plan.h"
 
 namespace fp4moe::cuda_backend {
@@ -58,10 +60,12 @@ template <class T> T* upload(const std::vector<T>& v, std::vector<void*>& allocs
   return static_cast<T*>(p);
 }
 
-// NVFP4 [E][N][K/2] + scales [E][N][K/16] -> kernel layout (kernels.h). rowmap: prepared row -> source row.
+// NVFP4 [E][N][K/2] + scales [E][N][K/16] -> kernel layout (kernels.h, bits of format/nvfp4_prepared.h).
+// rowmap: prepared row -> source row.
 template <class RowMap>
 void layout_nvfp4(const uint8_t* q, const uint8_t* sf, int64_t E, int64_t N, int64_t K, RowMap rowmap,
                   std::vector<uint8_t>& data, std::vector<uint8_t>& sfo) {
+  namespace pf = nvfp4_prepared;
   const int64_t Kp = (K + 63) / 64 * 64, KB = Kp / 64, KQ = K / 2, KS = K / 16;
   data.assign(static_cast<size_t>(E * KB * N * 32), 0);
   sfo.assign(static_cast<size_t>(E * KB * N * 4), 0);
@@ -71,16 +75,28 @@ void layout_nvfp4(const uint8_t* q, const uint8_t* sf, int64_t E, int64_t N, int
       const uint8_t* qr = q + (e * N + src) * KQ;
       const uint8_t* sr = sf + (e * N + src) * KS;
       for (int64_t kb = 0; kb < KB; ++kb) {
+        pf::PreparedScale ps[4];
+        uint8_t* ds = sfo.data() + ((e * KB + kb) * N + p) * 4;
+        for (int s = 0; s < 4; ++s) {
+          ps[s] = pf::prepare_scale(kb * 4 + s < KS ? sr[kb * 4 + s] : 0);  // padding: zero scale, zero values
+          ds[s] = ps[s].code;
+        }
         uint8_t* d = data.data() + ((e * KB + kb) * N + p) * 32;
-        for (int t = 0; t < 4; ++t)
+        for (int t = 0; t < 4; ++t) {
+          uint32_t word[2] = {0, 0};
           for (int s = 0; s < 4; ++s)
             for (int h = 0; h < 2; ++h) {
-              const int64_t old = kb * 32 + s * 8 + t + 4 * h;
-              if (old < KQ) d[t * 8 + s * 2 + h] = qr[old];
+              const int64_t old = kb * 32 + s * 8 + t + 4 * h;  // elements 16s + 2t + 8h and + 1
+              const uint8_t pair = old < KQ ? qr[old] : 0;
+              for (int half = 0; half < 2; ++half) {
+                uint8_t c = static_cast<uint8_t>((pair >> (4 * half)) & 0xf);
+                if (ps[s].negative) c ^= 8;
+                if (ps[s].zero) c &= 8;
+                pf::place_value(word[s / 2], 2 * (s % 2) + h, half, c);
+              }
             }
-        uint8_t* ds = sfo.data() + ((e * KB + kb) * N + p) * 4;
-        for (int s = 0; s < 4; ++s)
-          if (kb * 4 + s < KS) ds[s] = sr[kb * 4 + s];
+          std::memcpy(d + t * 8, word, 8);  // little-endian words, as the kernels load them
+        }
       }
     }
   });
@@ -518,6 +534,14 @@ void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& a
   int32_t* expert_offsets = ws.at<int32_t>(plan.expert_offsets);
   int32_t* tile_info = ws.at<int32_t>(plan.tile_info);
   int32_t* row_entry = ws.at<int32_t>(plan.row_entry);
+  float* split_partials = ws.at<float>(plan.split_partials);
+  int32_t* split_counters = ws.at<int32_t>(plan.split_counters);
+  auto with_split = [&](GemmProblem g, int split) {
+    g.split = split;
+    g.partials = split_partials;
+    g.counters = split_counters;
+    return g;
+  };
   uint16_t* x_q = ws.at<uint16_t>(plan.x_q);
   float* x_scale = ws.at<float>(plan.x_scale);
   uint16_t* act_buf = ws.at<uint16_t>(plan.act);
@@ -642,6 +666,8 @@ void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& a
     pp.tile_info = tile_info;
     pp.row_entry = row_entry;
     pp.error_flag = err;
+    pp.zero_counters = split_counters;
+    pp.num_counters = static_cast<int>(plan.split_counters.bytes / 4);
     launch_permute(pp, stream);
 
     // 4. GEMM1 over the routed rows.
@@ -670,6 +696,7 @@ void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& a
     e1.defaults = defaults;
     e1.act_out = act_out;
     e1.lora = expand(lora_t1, plan.lora_r1_stride, kLoraGateUp);
+    g1 = with_split(g1, plan.split1);
     launch_gemm1(plan.gemm_config, w.format, s.activation, g1, e1, static_cast<int>(plan.n1_tiles),
                  static_cast<int>(plan.max_m_tiles), stream);
 
@@ -696,7 +723,7 @@ void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& a
     if (a4) quantize_fc2_input(act_buf, I, rows, expert_offsets + w.E);
 
     // 6. GEMM2: o per (token, slot) entry.
-    GemmProblem g2 = g1;
+    GemmProblem g2 = with_split(g1, plan.split2);
     g2.A = act_buf;
     g2.lda = I;
     g2.K = static_cast<int>(I);
@@ -710,7 +737,7 @@ void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& a
     // 7. Shared expert: the same pipeline over all tokens of the chunk, dense rows.
     if (sw) {
       const int64_t Is = sw->I;
-      GemmProblem gs1 = dense_problem(a_in, H, static_cast<int>(H), tc, sw->w1);
+      const GemmProblem gs1 = with_split(dense_problem(a_in, H, static_cast<int>(H), tc, sw->w1), plan.shared_split1);
       Epilogue1Params es1 = epilogue1_for(*sw, shared_act, 1, a4 ? x_scale : nullptr);
       es1.defaults = shared_params;
       es1.lora = expand(lora_st1, plan.lora_r2_stride, kLoraSharedGateUp);
@@ -729,7 +756,7 @@ void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& a
         launch_lora_shrink2(lp, plan.lora_shrink2_threads, stream);
       }
       if (a4) quantize_fc2_input(shared_act, Is, tc, nullptr);
-      GemmProblem gs2 = dense_problem(shared_act, Is, static_cast<int>(Is), tc, sw->w2);
+      const GemmProblem gs2 = with_split(dense_problem(shared_act, Is, static_cast<int>(Is), tc, sw->w2), plan.shared_split2);
       Epilogue2Params es2 = epilogue2_for(*sw, shared_out, 1, fc2_scale);
       es2.lora = expand(lora_st2, plan.lora_r2_stride, kLoraSharedDown);
       launch_gemm2(plan.gemm_config, sw->format, gs2, es2, static_cast<int>(plan.n2_tiles),

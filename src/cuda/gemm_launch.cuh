@@ -32,7 +32,9 @@ void launch_grouped(const GemmProblem& g, const typename Epi::Params& ep, int n_
   if (Cfg::SMEM_BYTES > 48 * 1024)
     check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::SMEM_BYTES),
                "cudaFuncSetAttribute(grouped_gemm_kernel)");
-  kernel<<<dim3(static_cast<unsigned>(m_tiles), static_cast<unsigned>(n_tiles)), Cfg::THREADS, Cfg::SMEM_BYTES, stream>>>(g, ep);
+  const unsigned splits = Cfg::WEIGHTS_AS_A ? static_cast<unsigned>(g.split) : 1u;  // split-K: skinny tiles only
+  kernel<<<dim3(static_cast<unsigned>(m_tiles), static_cast<unsigned>(n_tiles), splits), Cfg::THREADS, Cfg::SMEM_BYTES,
+           stream>>>(g, ep);
   check_launch("grouped_gemm_kernel");
 }
 

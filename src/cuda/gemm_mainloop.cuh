@@ -1,7 +1,8 @@
 // One block tile of the grouped GEMM: acc[BM x BN] = A[rows, 0:K] . B[n0:n0+BN, 0:K]^T, fp32.
 // A (bf16 activations, gathered rows) and B (prepared NVFP4 or bf16 weights, kernels.h layout) stream
 // through a STAGES-deep cp.async pipeline in K steps of 64; B is decoded from shared memory straight
-// into mma.sync B fragments (NVFP4: e2m1 * e4m3 in bf16, exact), A comes in with ldmatrix.
+// into mma.sync B fragments (NVFP4: e2m1 * e4m3 * 2^-8 in bf16, exact; format/nvfp4_prepared.h), A comes in
+// with ldmatrix. The kernels multiply the fp32 sums by kProductScale before their epilogues.
 // The K order is the same for every tile configuration: each output's sum is the same chain of mma
 // steps k = 0, 16, 32, ... whatever BM, so results do not depend on the tile choice (batch invariance).
 #pragma once
@@ -10,6 +11,7 @@
 #include "cuda/kernels.h"
 #include "cuda/mma.cuh"
 #include "cuda/nvfp4_device.cuh"
+#include "fp4moe/plan.h"
 
 namespace fp4moe::cuda_backend {
 
@@ -33,90 +35,112 @@ struct TileConfig {
   static_assert(B_BYTES % 16 == 0 && SF_BYTES % 16 == 0, "16-byte chunks");
 };
 
-// Per-thread view of the A rows it loads (fixed over the K loop).
-template <class Cfg> struct ARows {
-  const uint16_t* ptr[Cfg::A_CHUNKS];  // row start (null: row outside the tile's rows)
-};
-
-// Issues the cp.async copies of stage `stage` <- k-block kb: A rows (zero past the tile's rows and past K),
-// the weight rows [n0, n0 + BN) of the k-block (one contiguous run) and their scales.
-template <class C>
-__device__ __forceinline__ void load_tile_stage(uint8_t* smem, int stage, int kb, const ARows<C>& arows, int K,
-                                                const DeviceMatrix& B, const uint8_t* bdata, const uint8_t* bsf, int n0) {
-  const int tid = threadIdx.x;
-  const int N = static_cast<int>(B.N);
-  uint8_t* sA = smem + stage * C::STAGE_BYTES;
-  uint8_t* sB = sA + C::A_BYTES;
-  uint8_t* sSF = sB + C::B_BYTES;
-#pragma unroll
-  for (int i = 0; i < C::A_CHUNKS; ++i) {
-    const int c = tid + i * C::THREADS;
-    if (C::BM * 8 < C::THREADS && c >= C::BM * 8) break;  // small tiles: fewer A chunks than threads
-    const int row = c >> 3, ch = c & 7;
-    const int k = kb * C::BK + ch * 8;
-    const bool valid = arows.ptr[i] != nullptr && k < K;
-    const uint16_t* src = valid ? arows.ptr[i] + k : nullptr;
-    dev::cp_async16(sA + row * 128 + ((ch ^ (row & 7)) << 4), valid ? src : reinterpret_cast<const uint16_t*>(B.data), valid);
-  }
-  const uint8_t* gB = bdata + (static_cast<int64_t>(kb) * N + n0) * C::B_ROW_BYTES;
-  constexpr int kRowChunks = C::B_ROW_BYTES / 16;
-#pragma unroll
-  for (int c = tid; c < C::B_BYTES / 16; c += C::THREADS) {
-    const bool valid = n0 + c / kRowChunks < N;
-    dev::cp_async16(sB + c * 16, valid ? gB + c * 16 : B.data, valid);
-  }
-  if constexpr (C::FP4) {
-    const uint8_t* gS = bsf + (static_cast<int64_t>(kb) * N + n0) * 4;
-    for (int c = tid; c < C::SF_BYTES / 16; c += C::THREADS) {
-      const bool valid = n0 + c * 4 < N;  // N is a multiple of 16: a chunk's 4 rows are all in or out
-      dev::cp_async16(sSF + c * 16, valid ? gS + c * 16 : B.data, valid);
-    }
-  }
-}
-
 // The (token, slot) entry of permuted row r (dense problems: the row itself).
 __device__ __forceinline__ int entry_of(const GemmProblem& g, int r) { return g.row_entry ? g.row_entry[r] : r; }
 
-// The A rows of a tile for this thread's chunks: row i of the tile is permuted row row0 + i, whose A row is
-// its token (gather_k: entry / k) or itself.
-template <class Cfg, class Rows>
-__device__ __forceinline__ ARows<Cfg> tile_arows(const GemmProblem& g, const Rows& tr) {
-  ARows<Cfg> arows;
+// The cp.async copies of one pipeline stage, with every address that does not depend on the k-block worked
+// out once per tile (the issue slots of a decode GEMM are its bottleneck): A rows (zero past the tile's rows
+// and past K), the weight rows [n0, n0 + BN) of the k-block (one contiguous run) and their scales.
+template <class C> struct TileLoader {
+  static constexpr int B_CHUNKS = (C::B_BYTES / 16 + C::THREADS - 1) / C::THREADS;
+  static constexpr int S_CHUNKS = C::SF_BYTES / 16;
+  static_assert(S_CHUNKS <= C::THREADS, "one scale chunk per thread at most");
+  const uint16_t* a_src[C::A_CHUNKS];  // this thread's A chunk at k = 0 (null: zero fill)
+  uint32_t a_dst[C::A_CHUNKS];         // its offset in a stage (swizzled)
+  int a_k[C::A_CHUNKS];                // its k within a k-block
+  const uint8_t* b_src[B_CHUNKS];      // weight chunk at k-block 0 (null: past N)
+  const uint8_t* s_src;                // scale chunk at k-block 0 (null: none for this thread)
+  int64_t b_stride, s_stride;          // bytes per k-block
+  int K;
+  const uint8_t* dummy;                // a valid address for zero-filling copies
+
+  // Row i of the tile is permuted row row0 + i, whose A row is its token (gather_k: entry / k) or itself.
+  template <class Rows>
+  __device__ __forceinline__ TileLoader(const GemmProblem& g, const Rows& tr, int expert, int n0) {
+    const int tid = threadIdx.x;
+    K = g.K;
+    dummy = g.B.data;
 #pragma unroll
-  for (int i = 0; i < Cfg::A_CHUNKS; ++i) {
-    const int r = tr.row0 + ((threadIdx.x + i * Cfg::THREADS) >> 3);
-    arows.ptr[i] = nullptr;
-    if (r < tr.row_end) {
-      const int arow = g.gather_k ? entry_of(g, r) / g.gather_k : r;
-      arows.ptr[i] = g.A + static_cast<int64_t>(arow) * g.lda;
+    for (int i = 0; i < C::A_CHUNKS; ++i) {
+      const int c = tid + i * C::THREADS, row = c >> 3, ch = c & 7;
+      const int r = tr.row0 + row;
+      a_src[i] = nullptr;
+      if (row < C::BM && r < tr.row_end) {
+        const int arow = g.gather_k ? entry_of(g, r) / g.gather_k : r;
+        a_src[i] = g.A + static_cast<int64_t>(arow) * g.lda + ch * 8;
+      }
+      a_dst[i] = row * 128 + ((ch ^ (row & 7)) << 4);
+      a_k[i] = ch * 8;
+    }
+    const int N = static_cast<int>(g.B.N);
+    const uint8_t* bdata = g.B.data + static_cast<int64_t>(expert) * g.B.expert_data_bytes;
+    constexpr int kRowChunks = C::B_ROW_BYTES / 16;
+#pragma unroll
+    for (int i = 0; i < B_CHUNKS; ++i) {
+      const int c = tid + i * C::THREADS;
+      const bool ok = c < C::B_BYTES / 16 && n0 + c / kRowChunks < N;
+      b_src[i] = ok ? bdata + static_cast<int64_t>(n0) * C::B_ROW_BYTES + c * 16 : nullptr;
+    }
+    b_stride = static_cast<int64_t>(N) * C::B_ROW_BYTES;
+    s_src = nullptr;
+    s_stride = static_cast<int64_t>(N) * 4;
+    if constexpr (C::FP4) {
+      // N is a multiple of 16: a chunk's 4 rows are all in or all out.
+      if (tid < S_CHUNKS && n0 + tid * 4 < N)
+        s_src = g.B.sf + static_cast<int64_t>(expert) * g.B.expert_sf_bytes + static_cast<int64_t>(n0) * 4 + tid * 16;
     }
   }
-  return arows;
+
+  __device__ __forceinline__ void load(uint8_t* smem, int stage, int kb) const {
+    uint8_t* sA = smem + stage * C::STAGE_BYTES;
+    uint8_t* sB = sA + C::A_BYTES;
+    uint8_t* sSF = sB + C::B_BYTES;
+    const int tid = threadIdx.x;
+#pragma unroll
+    for (int i = 0; i < C::A_CHUNKS; ++i) {
+      if (C::BM * 8 < C::THREADS * (i + 1) && tid + i * C::THREADS >= C::BM * 8) break;  // fewer chunks than threads
+      const bool ok = a_src[i] != nullptr && kb * C::BK + a_k[i] < K;
+      dev::cp_async16(sA + a_dst[i], ok ? static_cast<const void*>(a_src[i] + kb * C::BK) : dummy, ok);
+    }
+#pragma unroll
+    for (int i = 0; i < B_CHUNKS; ++i) {
+      const bool ok = b_src[i] != nullptr;
+      if (C::B_BYTES / 16 % C::THREADS != 0 && tid + i * C::THREADS >= C::B_BYTES / 16) break;
+      dev::cp_async16(sB + (tid + i * C::THREADS) * 16, ok ? b_src[i] + kb * b_stride : dummy, ok);
+    }
+    if constexpr (C::FP4) {
+      if (tid < S_CHUNKS) dev::cp_async16(sSF + tid * 16, s_src ? s_src + kb * s_stride : dummy, s_src != nullptr);
+    }
+  }
+};
+
+// The canonical K order of every GEMM here (batch invariance, SPEC §4): K is cut into chunks of
+// kKChunk (plan.h); each chunk is one chain of m16n8k16 steps k = 0, 16, 32, ... from a zero accumulator, and
+// an output is the fp32 sum of its chunk sums in chunk order. A tile may take a range of chunks
+// (split-K over blocks, gemm_skinny.cuh): the chunk sums are then added in the same order by the last block.
+constexpr int kChunkBlocks = static_cast<int>(kKChunk / 64);
+
+// The range of k-blocks [begin, end) of split z of `splits`, in whole chunks; KB = k-blocks of K.
+struct KRange {
+  int begin, end;
+};
+__device__ __forceinline__ KRange k_range(int KB, int z, int splits) {
+  const int chunks = (KB + kChunkBlocks - 1) / kChunkBlocks;
+  const int per = (chunks + splits - 1) / splits;
+  const int b = min(KB, z * per * kChunkBlocks);
+  return KRange{b, min(KB, b + per * kChunkBlocks)};
 }
 
 template <class Cfg> struct MainLoop {
   using C = Cfg;
-  float acc[C::MT][C::NT][4];
+  float acc[C::MT][C::NT][4];  // the sum over the chunks done
+  float part[C::MT][C::NT][4];  // the chain of the current chunk
 
-  // A: row i of the tile lives at arows.ptr (per chunk), B: this expert's matrix, columns from n0.
-  __device__ __forceinline__ void run(uint8_t* smem, const ARows<C>& arows, int K, const DeviceMatrix& B, int expert,
-                                      int n0) {
-#pragma unroll
-    for (int i = 0; i < C::MT; ++i)
-#pragma unroll
-      for (int j = 0; j < C::NT; ++j)
-#pragma unroll
-        for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.f;
-
+  __device__ __forceinline__ void run(uint8_t* smem, const TileLoader<C>& ld, int KB) {
     const int tid = threadIdx.x;
-    const int KB = static_cast<int>(B.Kp / C::BK);
-    const uint8_t* bdata = B.data + static_cast<int64_t>(expert) * B.expert_data_bytes;
-    const uint8_t* bsf = C::FP4 ? B.sf + static_cast<int64_t>(expert) * B.expert_sf_bytes : nullptr;
-    auto load_stage = [&](int stage, int kb) { load_tile_stage<C>(smem, stage, kb, arows, K, B, bdata, bsf, n0); };
-
 #pragma unroll
     for (int s = 0; s < C::STAGES - 1; ++s) {
-      if (s < KB) load_stage(s, s);
+      if (s < KB) ld.load(smem, s, s);
       dev::cp_async_commit();
     }
 
@@ -129,8 +153,16 @@ template <class Cfg> struct MainLoop {
       __syncthreads();
       {
         const int nk = kb + C::STAGES - 1;
-        if (nk < KB) load_stage(nk % C::STAGES, nk);
+        if (nk < KB) ld.load(smem, nk % C::STAGES, nk);
         dev::cp_async_commit();
+      }
+      if (kb % kChunkBlocks == 0) {
+#pragma unroll
+        for (int i = 0; i < C::MT; ++i)
+#pragma unroll
+          for (int j = 0; j < C::NT; ++j)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) part[i][j][q] = 0.f;
       }
       const uint8_t* sA = smem + (kb % C::STAGES) * C::STAGE_BYTES;
       const uint8_t* sB = sA + C::A_BYTES;
@@ -142,16 +174,13 @@ template <class Cfg> struct MainLoop {
       for (int nt = 0; nt < C::NT; ++nt) {
         const int row = wn * C::WTN + nt * 8 + g;
         if constexpr (C::FP4) {
-          const uint2 raw = *reinterpret_cast<const uint2*>(sB + row * 32 + t * 8);
-          const uint32_t sc = *reinterpret_cast<const uint32_t*>(sSF + row * 4);
-          uint32_t d[8];
-          dev::e2m1x8_to_bf16x8(raw.x, d);
-          dev::e2m1x8_to_bf16x8(raw.y, d + 4);
+          uint32_t w[4][2];
+          dev::fp4_row_fragments(*reinterpret_cast<const uint2*>(sB + row * 32 + t * 8),
+                                 *reinterpret_cast<const uint32_t*>(sSF + row * 4), w);
 #pragma unroll
           for (int s = 0; s < 4; ++s) {
-            const uint32_t s2 = dev::bf16x2_splat_from_f32(dev::e4m3_to_f32((sc >> (8 * s)) & 0xffu));
-            bfrag[nt][s][0] = dev::bf16x2_mul(d[2 * s], s2);
-            bfrag[nt][s][1] = dev::bf16x2_mul(d[2 * s + 1], s2);
+            bfrag[nt][s][0] = w[s][0];
+            bfrag[nt][s][1] = w[s][1];
           }
         } else {
           const uint4 q0 = *reinterpret_cast<const uint4*>(sB + row * 128 + t * 32);
@@ -174,10 +203,27 @@ template <class Cfg> struct MainLoop {
 #pragma unroll
         for (int mt = 0; mt < C::MT; ++mt)
 #pragma unroll
-          for (int nt = 0; nt < C::NT; ++nt) dev::mma_bf16_16816(acc[mt][nt], afrag[mt], bfrag[nt][s]);
+          for (int nt = 0; nt < C::NT; ++nt) dev::mma_bf16_16816(part[mt][nt], afrag[mt], bfrag[nt][s]);
+      }
+      if (kb % kChunkBlocks == kChunkBlocks - 1 || kb == KB - 1) {  // chunk done: add it in chunk order
+        const bool first = kb < kChunkBlocks;
+#pragma unroll
+        for (int i = 0; i < C::MT; ++i)
+#pragma unroll
+          for (int j = 0; j < C::NT; ++j)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) acc[i][j][q] = first ? part[i][j][q] : __fadd_rn(acc[i][j][q], part[i][j][q]);
       }
     }
     dev::cp_async_wait<0>();
+    if constexpr (C::FP4) {
+#pragma unroll
+      for (int i = 0; i < C::MT; ++i)
+#pragma unroll
+        for (int j = 0; j < C::NT; ++j)
+#pragma unroll
+          for (int q = 0; q < 4; ++q) acc[i][j][q] *= nvfp4_prepared::kProductScale;
+    }
   }
 };
 

@@ -1,15 +1,17 @@
 // The grouped GEMM for few rows per expert (decode and small batches): the weights are the mma A operand
 // (16 weight rows per warp) and the tokens the B operand (8 per mma), so a tile of up to 32 token rows reads
 // each weight byte once, and the block's many narrow column tiles keep many k-block streams in flight.
-// Tokens and weights come through the cp.async stages of the mma.sync tile (load_tile_stage).
+// Tokens and weights come through the cp.async stages of the mma.sync tile (TileLoader). When the grid is
+// small (decode), the plan splits a tile's K chunks over gridDim.z blocks (kernels.h GemmProblem::split).
 //
 // Assumptions (asserted or guaranteed by the plan): N and K are multiples of 16; the weights use the
 // prepared layout of kernels.h; a tile has at most BM (8 or 32) rows, in groups of 8 tokens.
 //
-// Bits: out(row m, col n) = sum over k of A[m][k] * W[n][k] runs the same chain of m16n8k16 steps
-// k = 0, 16, 32, ... as the mma.sync tile of gemm_mainloop.cuh, with the same 16 products per step; only the
-// operand roles are swapped. The result is the same bits (checked on the H200 by the batch-invariance tests,
-// which compare this kernel's tokens with the large-tile kernel's). Steps past K multiply zero padding, as there.
+// Bits: out(row m, col n) = sum over k of A[m][k] * W[n][k] follows the canonical K order of gemm_mainloop.cuh
+// (per chunk the same chain of m16n8k16 steps with the same 16 products per step, chunk sums added in order);
+// only the operand roles are swapped, and a split tile adds the same chunk sums in the same order. The result
+// is the same bits (checked on the H200 by the batch-invariance tests, which compare this kernel's tokens with
+// the large-tile kernel's). Steps past K multiply zero padding, as there.
 #pragma once
 #include <cstdint>
 
@@ -18,7 +20,7 @@
 namespace fp4moe::cuda_backend {
 
 // BM tokens x BN = 16 * WARPS weight rows a block; the stages are those of the mma.sync tile
-// (load_tile_stage: tokens in sA, weights and scales in sB / sSF), so the tokens stream with the weights.
+// (TileLoader: tokens in sA, weights and scales in sB / sSF), so the tokens stream with the weights.
 template <int BM, int WARPS, int STAGES, bool FP4>
 using SkinnyConfig = TileConfig<BM, 16 * WARPS, 1, WARPS, STAGES, FP4, true>;
 
@@ -28,23 +30,17 @@ using SkinnyConfig = TileConfig<BM, 16 * WARPS, 1, WARPS, STAGES, FP4, true>;
 template <class Cfg>
 __device__ __forceinline__ void weight_fragments(const uint8_t* st, const uint8_t* sf, int g, int t, uint32_t wa[4][4]) {
   if constexpr (Cfg::FP4) {
-    const uint2 r0 = *reinterpret_cast<const uint2*>(st + g * 32 + t * 8);
-    const uint2 r1 = *reinterpret_cast<const uint2*>(st + (g + 8) * 32 + t * 8);
-    const uint32_t sc0 = *reinterpret_cast<const uint32_t*>(sf + g * 4);
-    const uint32_t sc1 = *reinterpret_cast<const uint32_t*>(sf + (g + 8) * 4);
-    uint32_t d0[8], d1[8];
-    dev::e2m1x8_to_bf16x8(r0.x, d0);
-    dev::e2m1x8_to_bf16x8(r0.y, d0 + 4);
-    dev::e2m1x8_to_bf16x8(r1.x, d1);
-    dev::e2m1x8_to_bf16x8(r1.y, d1 + 4);
+    uint32_t w0[4][2], w1[4][2];
+    dev::fp4_row_fragments(*reinterpret_cast<const uint2*>(st + g * 32 + t * 8),
+                           *reinterpret_cast<const uint32_t*>(sf + g * 4), w0);
+    dev::fp4_row_fragments(*reinterpret_cast<const uint2*>(st + (g + 8) * 32 + t * 8),
+                           *reinterpret_cast<const uint32_t*>(sf + (g + 8) * 4), w1);
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
-      const uint32_t s0 = dev::bf16x2_splat_from_f32(dev::e4m3_to_f32((sc0 >> (8 * s)) & 0xffu));
-      const uint32_t s1 = dev::bf16x2_splat_from_f32(dev::e4m3_to_f32((sc1 >> (8 * s)) & 0xffu));
-      wa[s][0] = dev::bf16x2_mul(d0[2 * s], s0);
-      wa[s][1] = dev::bf16x2_mul(d1[2 * s], s1);
-      wa[s][2] = dev::bf16x2_mul(d0[2 * s + 1], s0);
-      wa[s][3] = dev::bf16x2_mul(d1[2 * s + 1], s1);
+      wa[s][0] = w0[s][0];
+      wa[s][1] = w1[s][0];
+      wa[s][2] = w0[s][1];
+      wa[s][3] = w1[s][1];
     }
   } else {
     const uint4 a0 = *reinterpret_cast<const uint4*>(st + g * 128 + t * 32);
@@ -68,32 +64,45 @@ __global__ void __launch_bounds__(Cfg::THREADS) skinny_gemm_kernel(GemmProblem g
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2, t = lane & 3;
   const int n0 = static_cast<int>(blockIdx.y) * Cfg::BN + warp * 16;  // this warp's weight rows
   const int groups = (tr.row_end - tr.row0 + 7) >> 3;                // token groups of 8 with rows (uniform)
-  const ARows<Cfg> arows = tile_arows<Cfg>(g, tr);
   const int KB = static_cast<int>(g.B.Kp / Cfg::BK);
-  const uint8_t* bdata = g.B.data + static_cast<int64_t>(tr.expert) * g.B.expert_data_bytes;
-  const uint8_t* bsf = Cfg::FP4 ? g.B.sf + static_cast<int64_t>(tr.expert) * g.B.expert_sf_bytes : nullptr;
-  const int nblock = static_cast<int>(blockIdx.y) * Cfg::BN;
+  const KRange kr = k_range(KB, static_cast<int>(blockIdx.z), g.split);
+  const int nkb = kr.end - kr.begin;
+  const TileLoader<Cfg> ld(g, tr, tr.expert, static_cast<int>(blockIdx.y) * Cfg::BN);
 #pragma unroll
   for (int s = 0; s < Cfg::STAGES - 1; ++s) {
-    if (s < KB) load_tile_stage<Cfg>(smem, s, s, arows, g.K, g.B, bdata, bsf, nblock);
+    if (s < nkb) ld.load(smem, s, kr.begin + s);
     dev::cp_async_commit();
   }
 
-  float acc[GROUPS][4];
+  // Split-K: this block's chunk sums go to partials[tile][chunk][thread] (tile = blockIdx.x, y).
+  const int chunks = (KB + kChunkBlocks - 1) / kChunkBlocks;
+  const int64_t tile_lin = static_cast<int64_t>(blockIdx.x) * gridDim.y + blockIdx.y;
+  auto partial_at = [&](int chunk) {
+    return reinterpret_cast<float4*>(g.partials) + ((tile_lin * chunks + chunk) * Cfg::THREADS + threadIdx.x) * GROUPS;
+  };
+
+  float acc[GROUPS][4], part[GROUPS][4];
 #pragma unroll
   for (int i = 0; i < GROUPS; ++i)
 #pragma unroll
     for (int q = 0; q < 4; ++q) acc[i][q] = 0.f;
 
-  for (int kb = 0; kb < KB; ++kb) {
+  for (int j = 0; j < nkb; ++j) {
+    const int kb = kr.begin + j;
     dev::cp_async_wait<Cfg::STAGES - 2>();
     __syncthreads();
     {
-      const int nk = kb + Cfg::STAGES - 1;
-      if (nk < KB) load_tile_stage<Cfg>(smem, nk % Cfg::STAGES, nk, arows, g.K, g.B, bdata, bsf, nblock);
+      const int nj = j + Cfg::STAGES - 1;
+      if (nj < nkb) ld.load(smem, nj % Cfg::STAGES, kr.begin + nj);
       dev::cp_async_commit();
     }
-    const uint8_t* sA = smem + (kb % Cfg::STAGES) * Cfg::STAGE_BYTES;
+    if (kb % kChunkBlocks == 0) {
+#pragma unroll
+      for (int i = 0; i < GROUPS; ++i)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) part[i][q] = 0.f;
+    }
+    const uint8_t* sA = smem + (j % Cfg::STAGES) * Cfg::STAGE_BYTES;
     const uint8_t* sB = sA + Cfg::A_BYTES;
     const uint8_t* sSF = sB + Cfg::B_BYTES;
     uint32_t wa[4][4];
@@ -102,19 +111,62 @@ __global__ void __launch_bounds__(Cfg::THREADS) skinny_gemm_kernel(GemmProblem g
     for (int i = 0; i < GROUPS; ++i) {
       if (i >= groups) break;
       // Tokens i*8 .. i*8+7 as B fragments, two k16 steps per ldmatrix.x4: matrix j = k chunk 2*s2 + j
-      // (8 tokens x 8 k, swizzled as load_tile_stage stores them); lane l addresses row l % 8 of matrix l / 8.
+      // (8 tokens x 8 k, swizzled as TileLoader stores them); lane l addresses row l % 8 of matrix l / 8.
 #pragma unroll
       for (int s2 = 0; s2 < 4; s2 += 2) {
         uint32_t b[4];
         const int row = i * 8 + (lane & 7);
         const int ch = 2 * s2 + (lane >> 3);
         dev::ldmatrix_x4(b, sA + row * 128 + ((ch ^ (row & 7)) << 4));
-        dev::mma_bf16_16816(acc[i], wa[s2], b);
-        dev::mma_bf16_16816(acc[i], wa[s2 + 1], b + 2);
+        dev::mma_bf16_16816(part[i], wa[s2], b);
+        dev::mma_bf16_16816(part[i], wa[s2 + 1], b + 2);
+      }
+    }
+    if (kb % kChunkBlocks == kChunkBlocks - 1 || kb == KB - 1) {  // chunk done
+      if (g.split > 1) {
+        float4* dst = partial_at(kb / kChunkBlocks);
+#pragma unroll
+        for (int i = 0; i < GROUPS; ++i) dst[i] = make_float4(part[i][0], part[i][1], part[i][2], part[i][3]);
+      } else {
+        const bool first = kb < kChunkBlocks;
+#pragma unroll
+        for (int i = 0; i < GROUPS; ++i)
+#pragma unroll
+          for (int q = 0; q < 4; ++q) acc[i][q] = first ? part[i][q] : __fadd_rn(acc[i][q], part[i][q]);
       }
     }
   }
   dev::cp_async_wait<0>();
+
+  if (g.split > 1) {  // the last block of the tile adds every chunk sum in chunk order
+    __shared__ int last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      const int done = atomicAdd(g.counters + tile_lin, 1);
+      last = done == g.split - 1;
+      if (last) g.counters[tile_lin] = 0;  // ready for the next call
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    for (int c = 0; c < chunks; ++c) {
+      const float4* src = partial_at(c);
+#pragma unroll
+      for (int i = 0; i < GROUPS; ++i) {
+        const float4 v = __ldcg(src + i);
+        const float p[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int q = 0; q < 4; ++q) acc[i][q] = c == 0 ? p[q] : __fadd_rn(acc[i][q], p[q]);
+      }
+    }
+  }
+  if constexpr (Cfg::FP4) {
+#pragma unroll
+    for (int i = 0; i < GROUPS; ++i)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) acc[i][q] *= nvfp4_prepared::kProductScale;
+  }
 
   // Thread (g, t) holds out(token 2t + {0,1} of group i, weight rows n0 + g and n0 + g + 8). The epilogue
   // takes column pairs (even, odd) of one row: row g + 1's values come from lane + 4.

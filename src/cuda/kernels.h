@@ -142,6 +142,8 @@ struct PermuteParams {
   int32_t* tile_info = nullptr;       // [max_tiles, 2] + count
   int32_t* row_entry = nullptr;       // [rows]
   int* error_flag = nullptr;
+  int32_t* zero_counters = nullptr;   // [num_counters] split-K counters, zeroed by the one-block kernel
+  int num_counters = 0;
 };
 
 // A grouped GEMM: C[r, :] = A[row(r), :] . B_e^T for the rows r of each tile; see gemm_grouped.cuh.
@@ -156,6 +158,12 @@ struct GemmProblem {
   int max_tiles = 0;
   int dense_rows = 0;
   DeviceMatrix B;
+  // Split-K (skinny tiles only, plan.h split1/split2): gridDim.z blocks share a tile's K chunks; each writes its
+  // chunk sums to partials and the last to arrive adds them in chunk order (counters: one per tile, zero
+  // between calls — the one-block permutation zeroes them, the last block of a tile resets its own).
+  int split = 1;
+  float* partials = nullptr;
+  int32_t* counters = nullptr;
 };
 
 // GEMM1 epilogue: h = acc * s_half[e] * row_scale[token] (+bias) (+delta); a = act(g, u); bf16.

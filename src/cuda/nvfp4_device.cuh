@@ -6,6 +6,8 @@
 
 #include <cstdint>
 
+#include "format/nvfp4_prepared.h"
+
 namespace fp4moe::cuda_backend::dev {
 
 __device__ __forceinline__ float bf16_to_f32(uint16_t b) { return __uint_as_float(static_cast<uint32_t>(b) << 16); }
@@ -19,35 +21,32 @@ __device__ __forceinline__ float e4m3_to_f32(uint32_t code) {
   return m * 0x1p120f;
 }
 
-// Eight E2M1 nibbles (nibble i = element i) -> four bf16x2 words (word i = elements 2i, 2i+1; low half
-// first), exact. Magnitudes come from two byte tables through PRMT; the sign bit is moved to bit 15/31.
-//   magnitude: 0 0.5 1 1.5 2 3 4 6  -> bf16 0x0000 3F00 3F80 3FC0 4000 4040 4080 40C0
-__device__ __forceinline__ void e2m1x8_to_bf16x8(uint32_t w, uint32_t out[4]) {
-  constexpr uint32_t kHiLo = 0x3F3F3F00u, kHiHi = 0x40404040u;  // high bytes of magnitudes 0-3, 4-7
-  constexpr uint32_t kLoLo = 0xC0800000u, kLoHi = 0xC0804000u;  // low bytes
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const uint32_t v = half ? (w >> 16) : w;     // nibbles 0-3 of this half
-    const uint32_t sel = v & 0x7777u;            // 3-bit magnitude selectors
-    const uint32_t hi = __byte_perm(kHiLo, kHiHi, sel);
-    const uint32_t lo = __byte_perm(kLoLo, kLoHi, sel);
-    uint32_t p01 = __byte_perm(lo, hi, 0x5140);  // (lo0, hi0, lo1, hi1)
-    uint32_t p23 = __byte_perm(lo, hi, 0x7362);
-    p01 |= ((v & 0x8u) << 12) | ((v & 0x80u) << 24);
-    p23 |= ((v & 0x800u) << 4) | ((v & 0x8000u) << 16);
-    out[half * 2 + 0] = p01;
-    out[half * 2 + 1] = p23;
-  }
+// bf16x2 a times the low / high half of p (HMUL2 with a .H0_H0 / .H1_H1 operand).
+__device__ __forceinline__ uint32_t bf16x2_mul_lo(uint32_t a, uint32_t p) {
+  const __nv_bfloat162 r = __hmul2(*reinterpret_cast<__nv_bfloat162*>(&a), __low2bfloat162(*reinterpret_cast<__nv_bfloat162*>(&p)));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+__device__ __forceinline__ uint32_t bf16x2_mul_hi(uint32_t a, uint32_t p) {
+  const __nv_bfloat162 r = __hmul2(*reinterpret_cast<__nv_bfloat162*>(&a), __high2bfloat162(*reinterpret_cast<__nv_bfloat162*>(&p)));
+  return *reinterpret_cast<const uint32_t*>(&r);
 }
 
-// bf16x2 multiply; exact here (e2m1 * e4m3 has at most 5 significant bits and stays in range).
-__device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
-  __nv_bfloat162 r = __hmul2(*reinterpret_cast<__nv_bfloat162*>(&a), *reinterpret_cast<__nv_bfloat162*>(&b));
-  return *reinterpret_cast<uint32_t*>(&r);
-}
-__device__ __forceinline__ uint32_t bf16x2_splat_from_f32(float f) {
-  const uint32_t b = f32_to_bf16(f);  // exact for E4M3 values
-  return b | (b << 16);
+// One row's prepared 64-K block for quad lane t (format/nvfp4_prepared.h): w[s][h] = the bf16x2 weights
+// (k = 16 s + 2t + 8h, k + 1) times 2^-8, exact. raw: the lane's 8 value bytes; k4: the row's 4 scale bytes.
+__device__ __forceinline__ void fp4_row_fragments(uint2 raw, uint32_t k4, uint32_t w[4][2]) {
+  namespace pf = nvfp4_prepared;
+  uint32_t d0[4], d1[4];
+  pf::decode_slots(raw.x, d0);
+  pf::decode_slots(raw.y, d1);
+  const uint32_t p01 = pf::scale_pair(k4, 0), p23 = pf::scale_pair(k4, 2);
+  w[0][0] = bf16x2_mul_lo(d0[0], p01);
+  w[0][1] = bf16x2_mul_lo(d0[1], p01);
+  w[1][0] = bf16x2_mul_hi(d0[2], p01);
+  w[1][1] = bf16x2_mul_hi(d0[3], p01);
+  w[2][0] = bf16x2_mul_lo(d1[0], p23);
+  w[2][1] = bf16x2_mul_lo(d1[1], p23);
+  w[3][0] = bf16x2_mul_hi(d1[2], p23);
+  w[3][1] = bf16x2_mul_hi(d1[3], p23);
 }
 
 // E4M3 round-to-nearest-even, saturating to +-448 (NaN -> 0x7f), as e4m3_encode_satfinite.

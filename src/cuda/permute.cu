@@ -3,6 +3,7 @@
 //   2. scan (one block): per expert, exclusive prefix over blocks; expert offsets; the tile list;
 //   3. place: each block walks its entries in order and gives entry i of expert e the next row of e,
 //      so rows of an expert are in (token, slot) order whatever the scheduling.
+// A chunk of one block's entries runs the three steps in one kernel (permute_one_block_kernel).
 // Ids outside [0, E_total) are dropped and raise the device error flag (never an out-of-bounds access).
 #include "cuda/kernels.h"
 
@@ -67,22 +68,10 @@ __device__ int block_exclusive_scan(int& v) {
   return total;
 }
 
-__global__ void __launch_bounds__(kScanThreads) scan_kernel(PermuteParams p) {
-  __shared__ int offs[4097];   // expert row offsets (exclusive), then the total
-  __shared__ int toffs[4097];  // expert tile offsets
+// From the rows of each expert (offs[e], e < E_loc): offs becomes the experts' exclusive row offsets (offs[E] the
+// total), written to expert_offsets with the tile list. Every thread of the block calls it.
+__device__ void offsets_and_tiles(const PermuteParams& p, int* offs, int* toffs) {
   const int E = p.E_loc;
-  // Per expert: exclusive prefix over blocks (in place), total rows.
-  for (int e = threadIdx.x; e < E; e += blockDim.x) {
-    int run = 0;
-    for (int b = 0; b < p.num_blocks; ++b) {
-      int32_t* c = p.block_counts + static_cast<int64_t>(b) * E + e;
-      const int v = *c;
-      *c = run;
-      run += v;
-    }
-    offs[e] = run;
-  }
-  __syncthreads();
   // Scan over experts: each thread a contiguous segment.
   const int seg = (E + blockDim.x - 1) / blockDim.x;
   const int lo = min(E, static_cast<int>(threadIdx.x) * seg), hi = min(E, lo + seg);
@@ -118,14 +107,9 @@ __global__ void __launch_bounds__(kScanThreads) scan_kernel(PermuteParams p) {
   }
 }
 
-__global__ void place_kernel(PermuteParams p) {
-  extern __shared__ int next[];
-  const int lane = threadIdx.x;
-  const int32_t* base = p.block_counts + static_cast<int64_t>(blockIdx.x) * p.E_loc;
-  for (int e = lane; e < p.E_loc; e += 32) next[e] = p.expert_offsets[e] + base[e];
-  __syncwarp();
-  const int begin = blockIdx.x * p.entries_per_block;
-  const int end = min(begin + p.entries_per_block, p.rows);
+// One warp gives entries [begin, end), in order, the next rows of their experts (next[e]: e's next row).
+__device__ void place_entries(const PermuteParams& p, int* next, int begin, int end) {
+  const int lane = threadIdx.x & 31;
   const unsigned lt = (1u << lane) - 1u;
   for (int i0 = begin; i0 < end; i0 += 32) {
     const int i = i0 + lane;
@@ -143,10 +127,65 @@ __global__ void place_kernel(PermuteParams p) {
   }
 }
 
+__global__ void __launch_bounds__(kScanThreads) scan_kernel(PermuteParams p) {
+  __shared__ int offs[4097];   // expert row offsets (exclusive), then the total
+  __shared__ int toffs[4097];  // expert tile offsets
+  const int E = p.E_loc;
+  // Per expert: exclusive prefix over blocks (in place), total rows.
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    int run = 0;
+    for (int b = 0; b < p.num_blocks; ++b) {
+      int32_t* c = p.block_counts + static_cast<int64_t>(b) * E + e;
+      const int v = *c;
+      *c = run;
+      run += v;
+    }
+    offs[e] = run;
+  }
+  __syncthreads();
+  offsets_and_tiles(p, offs, toffs);
+}
+
+// All of count, scan and place in one block, for a chunk of at most one block of entries (decode and small
+// batches, where three launches cost more than the work).
+__global__ void __launch_bounds__(kScanThreads) permute_one_block_kernel(PermuteParams p) {
+  __shared__ int offs[4097];
+  __shared__ int toffs[4097];
+  for (int e = threadIdx.x; e < p.E_loc; e += blockDim.x) offs[e] = 0;
+  for (int c = threadIdx.x; c < p.num_counters; c += blockDim.x) p.zero_counters[c] = 0;
+  __syncthreads();
+  bool bad = false;
+  for (int i = threadIdx.x; i < p.rows; i += blockDim.x) {
+    const int e = local_expert(p, i);
+    if (e >= 0) atomicAdd(&offs[e], 1);  // integer counts: the result does not depend on the order
+    bad |= e == -2;
+  }
+  if (bad) atomicExch(p.error_flag, 1);
+  __syncthreads();
+  offsets_and_tiles(p, offs, toffs);
+  __syncthreads();  // the tile list has read offs; warp 0 now advances it as each expert's next row
+  if (threadIdx.x < 32) place_entries(p, offs, 0, p.rows);
+}
+
+__global__ void place_kernel(PermuteParams p) {
+  extern __shared__ int next[];
+  const int32_t* base = p.block_counts + static_cast<int64_t>(blockIdx.x) * p.E_loc;
+  for (int e = threadIdx.x; e < p.E_loc; e += 32) next[e] = p.expert_offsets[e] + base[e];
+  __syncwarp();
+  const int begin = blockIdx.x * p.entries_per_block;
+  place_entries(p, next, begin, min(begin + p.entries_per_block, p.rows));
+}
+
 }  // namespace
 
 void launch_permute(const PermuteParams& p, cudaStream_t stream) {
   if (p.rows <= 0) return;
+  if (p.num_blocks == 1) {
+    const int threads = p.rows <= 256 && p.E_loc <= 1024 ? 256 : kScanThreads;
+    permute_one_block_kernel<<<1, threads, 0, stream>>>(p);
+    check_launch("permute_one_block_kernel");
+    return;
+  }
   const size_t smem = static_cast<size_t>(p.E_loc) * sizeof(int);
   count_kernel<<<p.num_blocks, 32, smem, stream>>>(p);
   check_launch("count_kernel");

@@ -31,6 +31,69 @@ __device__ __forceinline__ void warp_best(float& s, int& id) {
 
 constexpr int kMaxPerLane = 4096 / 32;  // plan.h kMaxExpertsRouting
 constexpr int kMaskWords = kMaxPerLane / 32;
+constexpr int kRegsPerLane = 16;  // E <= 512: each lane keeps its candidates' scores in registers
+
+// Records winner bi of round j in the slot registers (slot j lives on lane j % 32).
+__device__ __forceinline__ void record_slot(int j, int bi, int my_id[2]) {
+  if ((threadIdx.x & 31) == (j & 31)) my_id[j < 32 ? 0 : 1] = bi;
+}
+
+// E <= 32 * kRegsPerLane. Each lane's best candidate is kept between rounds and recomputed only by the lane
+// that lost it, so a round is one warp argmax (five shuffles) — a decode step's routing is a few hundred cycles
+// instead of k sweeps over shared memory.
+__device__ __forceinline__ void topk_in_registers(const float* sel, int E, int k, uint32_t excluded, int my_id[2]) {
+  const int lane = threadIdx.x & 31;
+  float r[kRegsPerLane];
+  uint32_t avail = 0;  // bit i: expert lane + 32 i is still a candidate
+#pragma unroll
+  for (int i = 0; i < kRegsPerLane; ++i) {
+    const int e = lane + 32 * i;
+    r[i] = e < E ? sel[e] : 0.f;
+    if (e < E && !((excluded >> i) & 1u)) avail |= 1u << i;
+  }
+  auto local_best = [&](float& bs, int& bi) {
+    bs = 0.f;
+    bi = -1;
+#pragma unroll
+    for (int i = 0; i < kRegsPerLane; ++i)
+      if (((avail >> i) & 1u) && (bi < 0 || ranks_before(r[i], lane + 32 * i, bs, bi))) { bs = r[i]; bi = lane + 32 * i; }
+  };
+  float ls;
+  int li;
+  local_best(ls, li);
+  for (int j = 0; j < k; ++j) {
+    float bs = ls;
+    int bi = li;
+    warp_best(bs, bi);
+    if (bi >= 0 && (bi & 31) == lane) {
+      avail &= ~(1u << (bi >> 5));
+      local_best(ls, li);
+    }
+    record_slot(j, bi, my_id);
+  }
+}
+
+// Any E: k sweeps over the scores in shared memory; the owner lane marks the winner taken.
+__device__ __forceinline__ void topk_from_shared(const float* sel, int E, int k, uint32_t excluded[kMaskWords],
+                                                 int my_id[2]) {
+  const int lane = threadIdx.x & 31;
+  const int per_lane = (E + 31) / 32;
+  for (int j = 0; j < k; ++j) {
+    float bs = 0.f;
+    int bi = -1;
+    for (int i = 0; i < per_lane; ++i) {
+      const int e = lane + 32 * i;
+      if (e >= E || ((excluded[i >> 5] >> (i & 31)) & 1)) continue;
+      if (bi < 0 || ranks_before(sel[e], e, bs, bi)) { bs = sel[e]; bi = e; }
+    }
+    warp_best(bs, bi);
+    if (bi >= 0 && (bi & 31) == lane) {
+      const int i = bi >> 5;
+      excluded[i >> 5] |= 1u << (i & 31);
+    }
+    record_slot(j, bi, my_id);
+  }
+}
 
 __device__ __forceinline__ float read_logit(const RoutingParams& p, int t, int e) {
   const int64_t off = static_cast<int64_t>(t) * p.E + e;
@@ -108,27 +171,11 @@ __global__ void routing_kernel(RoutingParams p) {
     }
   }
 
-  // Top-k: k rounds of a warp argmax; the owner lane marks the winner taken. Lane l keeps the ids of
-  // slots l and l + 32 (k <= 64) in registers: the weights below never read them back from memory.
+  // Top-k: k rounds of a warp argmax; lane l keeps the ids of slots l and l + 32 (k <= 64) in registers,
+  // so the weights below never read them back from memory.
   int my_id[2] = {-1, -1};
-  for (int j = 0; j < k; ++j) {
-    float bs = 0.f;
-    int bi = -1;
-    for (int i = 0; i < per_lane; ++i) {
-      const int e = lane + 32 * i;
-      if (e >= E || ((excluded[i >> 5] >> (i & 31)) & 1)) continue;
-      if (bi < 0 || ranks_before(sel[e], e, bs, bi)) { bs = sel[e]; bi = e; }
-    }
-    warp_best(bs, bi);
-    if ((bi & 31) == lane) {
-      const int i = bi >> 5;
-      excluded[i >> 5] |= 1u << (i & 31);
-    }
-    if (lane == (j & 31)) {
-      if (j < 32) my_id[0] = bi;
-      else my_id[1] = bi;
-    }
-  }
+  if (per_lane <= kRegsPerLane) topk_in_registers(sel, E, k, excluded[0], my_id);
+  else topk_from_shared(sel, E, k, excluded, my_id);
   int* ids = p.ids + static_cast<int64_t>(t) * k;
   float* w = p.weights + static_cast<int64_t>(t) * k;
   // Weights, in parallel over the slots; the sums over slots run in slot order (the reference's order)

@@ -99,8 +99,8 @@ MoePlan make_plan(const ProblemShape& shape) {
   p.perm_blocks = ceil_div(p.rows, p.perm_entries);
   p.perm_smem = static_cast<size_t>(s.E_loc * 4);
 
-  // GEMM tile: by the expected rows per expert (any choice gives the same bits: no split-K, fixed
-  // K order, so the choice may depend on T without breaking batch invariance).
+  // GEMM tile: by the expected rows per expert (any choice gives the same bits: every tile follows the same
+  // K order, split or not, so the choice may depend on T without breaking batch invariance).
   const int64_t avg_rows = ceil_div(p.rows, s.E_loc);
   p.gemm_config = avg_rows <= 6 ? 0 : (avg_rows <= 24 ? 1 : (avg_rows <= 64 ? 2 : 3));
   p.gemm = kGemmConfigs[p.gemm_config];
@@ -116,6 +116,24 @@ MoePlan make_plan(const ProblemShape& shape) {
     p.shared_n1_tiles = ceil_div(p.shared_n1, g.bn);
     p.shared_m_tiles = ceil_div(p.chunk_tokens, g.bm);
     p.shared_k2_pad = round_up(s.shared_I, g.bk);
+  }
+  // Split-K: weights-as-A tiles on a grid below the target, when the one-block permutation (which zeroes the
+  // counters) runs. Whole chunks per block; no block without a chunk.
+  int64_t partial_floats = 0, counters = 0;
+  auto split_of = [&](int64_t m_tiles, int64_t n_tiles, int64_t k_pad) {
+    const int64_t blocks = m_tiles * n_tiles, chunks = ceil_div(k_pad, kKChunk);
+    if (!g.weights_as_a || p.perm_blocks != 1 || blocks == 0 || blocks >= kSplitTargetBlocks || chunks < 2) return 1;
+    const int64_t want = std::min(chunks, ceil_div(kSplitTargetBlocks, blocks));
+    const int64_t split = ceil_div(chunks, ceil_div(chunks, want));
+    partial_floats = std::max(partial_floats, blocks * chunks * g.threads() * (g.bm / 2));
+    counters = std::max(counters, blocks);
+    return static_cast<int>(split);
+  };
+  p.split1 = split_of(p.max_m_tiles, p.n1_tiles, p.k1_pad);
+  p.split2 = split_of(p.max_m_tiles, p.n2_tiles, p.k2_pad);
+  if (s.has_shared) {
+    p.shared_split1 = split_of(p.shared_m_tiles, p.shared_n1_tiles, p.k1_pad);
+    p.shared_split2 = split_of(p.shared_m_tiles, p.n2_tiles, p.shared_k2_pad);
   }
   const int64_t b_stage = s.format == WeightFormat::NVFP4 ? g.bn * (g.bk / 2 + g.bk / 16) : g.bn * g.bk * 2;
   p.gemm_smem = static_cast<size_t>(g.stages * (g.bm * g.bk * 2 + b_stage));
@@ -144,6 +162,8 @@ MoePlan make_plan(const ProblemShape& shape) {
   }
   p.act = L.take(R * I * 2);
   p.out = L.take(R * H * 4);
+  p.split_partials = L.take(partial_floats * 4);
+  p.split_counters = L.take(counters * 4);
   if (s.has_shared) {
     p.shared_act = L.take(Tc * s.shared_I * 2);
     p.shared_out = L.take(Tc * H * 4);

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <random>
@@ -98,9 +99,11 @@ struct Layer {
   bool has_shared = false;
 };
 
-inline std::unique_ptr<Layer> make_layer(const Case& c) {
+// edit: changes the synthetic routed experts before both backends prepare them (special values).
+inline std::unique_ptr<Layer> make_layer(const Case& c, const std::function<void(SyntheticLayer&)>& edit = {}) {
   auto l = std::make_unique<Layer>();
   l->L = make_synthetic_layer(c.shape, c.E_loc, c.seed, c.format, c.bias, c.order);
+  if (edit) edit(l->L);
   WeightsDesc d = l->L.desc();
   l->cpu = prepare_weights(d, Backend::CPU);
   l->gpu = prepare_weights(d, Backend::CUDA, 0);
