@@ -41,13 +41,22 @@ FP4MOE_HD void decode_slots(uint32_t x, uint32_t d[4]) {
   d[3] = ((x >> 3) & kMagMask) | ((x << 1) & kSignMask);
 }
 
-// Scales of steps `first` and `first + 1` (bytes of a row's scale word) as one bf16x2: |scale| * 2^118 each.
-FP4MOE_HD uint32_t scale_pair(uint32_t k4, int first) {
+// PRMT: byte n of the result is byte (selector nibble n) of the 8 bytes y:x (the host emulates it).
+FP4MOE_HD uint32_t byte_perm(uint32_t x, uint32_t y, uint32_t selector) {
 #if defined(__CUDA_ARCH__)
-  return __byte_perm(k4, 0u, 0x4140u + 0x0202u * static_cast<uint32_t>(first)) * 16u + 0x70007000u;  // PRMT, IMAD
+  return __byte_perm(x, y, selector);
+#else
+  const uint64_t xy = (static_cast<uint64_t>(y) << 32) | x;
+  uint32_t r = 0;
+  for (int n = 0; n < 4; ++n) r |= static_cast<uint32_t>((xy >> (8 * ((selector >> (4 * n)) & 7u))) & 0xffu) << (8 * n);
+  return r;
 #endif
-  const uint32_t lo = (k4 >> (8 * first)) & 0xffu, hi = (k4 >> (8 * first + 8)) & 0xffu;
-  return ((lo | (hi << 16)) << 4) + 0x70007000u;
+}
+
+// Scales of steps `first` and `first + 1` (bytes of a row's scale word) as one bf16x2: |scale| * 2^118 each.
+// PRMT places the two bytes (and zero bytes above them), one IMAD shifts them under 0x7000.
+FP4MOE_HD uint32_t scale_pair(uint32_t k4, int first) {
+  return byte_perm(k4, 0u, 0x4140u + 0x0101u * static_cast<uint32_t>(first)) * 16u + 0x70007000u;
 }
 
 // ---- host side: the encoder --------------------------------------------------------------------------------
