@@ -38,36 +38,45 @@ __device__ __forceinline__ void record_slot(int j, int bi, int my_id[2]) {
   if ((threadIdx.x & 31) == (j & 31)) my_id[j < 32 ? 0 : 1] = bi;
 }
 
-// E <= 32 * kRegsPerLane. Each lane's best candidate is kept between rounds and recomputed only by the lane
-// that lost it, so a round is one warp argmax (five shuffles) — a decode step's routing is a few hundred cycles
-// instead of k sweeps over shared memory.
+// The order of ranks_before over scores as an unsigned key (higher first): NaN ranks below every number
+// (key 1), -0 ties with +0, key 0 = no candidate. Equal keys fall back to the lower id, as ranks_before.
+__device__ __forceinline__ uint32_t rank_key(float s) {
+  if (isnan(s)) return 1u;
+  const uint32_t u = __float_as_uint(s == 0.f ? 0.f : s);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// E <= 32 * kRegsPerLane. Each lane keeps its candidates' keys in registers and its best between rounds (only
+// the lane that lost it rescans); a round is two warp max-reductions (redux.sync): the best key, then the
+// lowest id among the lanes that hold it.
 __device__ __forceinline__ void topk_in_registers(const float* sel, int E, int k, uint32_t excluded, int my_id[2]) {
   const int lane = threadIdx.x & 31;
-  float r[kRegsPerLane];
-  uint32_t avail = 0;  // bit i: expert lane + 32 i is still a candidate
+  uint32_t key[kRegsPerLane];
 #pragma unroll
   for (int i = 0; i < kRegsPerLane; ++i) {
     const int e = lane + 32 * i;
-    r[i] = e < E ? sel[e] : 0.f;
-    if (e < E && !((excluded >> i) & 1u)) avail |= 1u << i;
+    key[i] = e < E && !((excluded >> i) & 1u) ? rank_key(sel[e]) : 0u;
   }
-  auto local_best = [&](float& bs, int& bi) {
-    bs = 0.f;
-    bi = -1;
+  uint32_t lk = 0;
+  int li = 0;
+  auto local_best = [&] {
+    lk = 0;
+    li = 0;
 #pragma unroll
     for (int i = 0; i < kRegsPerLane; ++i)
-      if (((avail >> i) & 1u) && (bi < 0 || ranks_before(r[i], lane + 32 * i, bs, bi))) { bs = r[i]; bi = lane + 32 * i; }
+      if (key[i] > lk) { lk = key[i]; li = i; }  // strict: the lowest id among equal keys
   };
-  float ls;
-  int li;
-  local_best(ls, li);
+  local_best();
   for (int j = 0; j < k; ++j) {
-    float bs = ls;
-    int bi = li;
-    warp_best(bs, bi);
+    const uint32_t best = __reduce_max_sync(0xffffffffu, lk);
+    const uint32_t mine = best != 0 && lk == best ? 0xffffu - static_cast<uint32_t>(lane + 32 * li) : 0u;
+    const uint32_t id = 0xffffu - __reduce_max_sync(0xffffffffu, mine);
+    const int bi = best == 0 ? -1 : static_cast<int>(id);
     if (bi >= 0 && (bi & 31) == lane) {
-      avail &= ~(1u << (bi >> 5));
-      local_best(ls, li);
+#pragma unroll
+      for (int i = 0; i < kRegsPerLane; ++i)
+        if (i == (bi >> 5)) key[i] = 0u;
+      local_best();
     }
     record_slot(j, bi, my_id);
   }
@@ -111,12 +120,26 @@ __global__ void routing_kernel(RoutingParams p) {
   float* gsc = sel + E;                 // group scores
   const auto method = static_cast<RoutingMethod>(p.method);
 
-  // Selection scores.
+  // Selection scores. For E <= 32 * kRegsPerLane the logits (and the bias) are loaded into registers first, all
+  // loads in flight at once: a decode step's routing is one warp's latency, not work.
+  const bool in_regs = E <= 32 * kRegsPerLane;
   float m = -INFINITY;
-  for (int e = lane; e < E; e += 32) {
-    const float l = read_logit(p, t, e);
-    sel[e] = l;
-    m = fmaxf(m, l);
+  if (in_regs) {
+    float l[kRegsPerLane];
+#pragma unroll
+    for (int i = 0; i < kRegsPerLane; ++i) l[i] = lane + 32 * i < E ? read_logit(p, t, lane + 32 * i) : 0.f;
+#pragma unroll
+    for (int i = 0; i < kRegsPerLane; ++i)
+      if (lane + 32 * i < E) {
+        sel[lane + 32 * i] = l[i];
+        m = fmaxf(m, l[i]);
+      }
+  } else {
+    for (int e = lane; e < E; e += 32) {
+      const float l = read_logit(p, t, e);
+      sel[e] = l;
+      m = fmaxf(m, l);
+    }
   }
   float sum = 0.f;
   if (method == RoutingMethod::Default || method == RoutingMethod::RenormalizeNaive) {
@@ -133,9 +156,21 @@ __global__ void routing_kernel(RoutingParams p) {
   } else if (method == RoutingMethod::Sigmoid || method == RoutingMethod::SigmoidRenorm) {
     for (int e = lane; e < E; e += 32) sel[e] = act::sigmoid(sel[e]);
   } else if (method == RoutingMethod::DeepSeekV3 || method == RoutingMethod::MiniMax2) {
-    for (int e = lane; e < E; e += 32) {
-      const float s = act::sigmoid(sel[e]);
-      sel[e] = p.bias ? s + p.bias[e] : s;
+    if (in_regs) {
+      float b[kRegsPerLane];
+#pragma unroll
+      for (int i = 0; i < kRegsPerLane; ++i) b[i] = p.bias && lane + 32 * i < E ? p.bias[lane + 32 * i] : 0.f;
+#pragma unroll
+      for (int i = 0; i < kRegsPerLane; ++i)
+        if (lane + 32 * i < E) {
+          const float s = act::sigmoid(sel[lane + 32 * i]);
+          sel[lane + 32 * i] = p.bias ? s + b[i] : s;
+        }
+    } else {
+      for (int e = lane; e < E; e += 32) {
+        const float s = act::sigmoid(sel[e]);
+        sel[e] = p.bias ? s + p.bias[e] : s;
+      }
     }
   }
   __syncwarp();

@@ -193,13 +193,12 @@ TEST(GpuDeterminism, CallsStreamsGraphs) {
 
 // ---- batch invariance: a token's bits do not depend on the rest of the batch ------------------------
 // Block-scale codes the synthetic layers never make, which the prepared layout re-encodes
-// (format/nvfp4_prepared.h): negative, +-0 and subnormal scales against the reference; then a NaN scale in
-// one expert, which must turn exactly the reference's NaN outputs into NaN.
+// (format/nvfp4_prepared.h): negative, +-0 and subnormal scales, against the reference.
 TEST(GpuNvfp4, SpecialScaleCodes) {
   FP4MOE_SKIP_WITHOUT_GPU();
   Case c;
   c.shape = model("qwen3_30b_a3b");
-  c.E_loc = c.E_total = 16;  // top-8 of 16: about half the tokens meet the NaN expert below
+  c.E_loc = c.E_total = 16;
   c.T = 40;
   c.seed = 4242;
   c.check_tokens = 40;
@@ -215,31 +214,9 @@ TEST(GpuNvfp4, SpecialScaleCodes) {
       }
     }
   };
-  {
-    auto layer = make_layer(c, [&](SyntheticLayer& L) { special(L.w1_sf); special(L.w2_sf); });
-    check_case(c, layer.get(), "qwen3 special scale codes");
-  }
-  // A NaN scale (0x7f) in expert 3's first W1 row: every token routed to expert 3 becomes NaN.
-  auto layer = make_layer(c, [&](SyntheticLayer& L) { L.w1_sf[3 * (L.w1_sf.size() / L.E)] = 0x7f; });
-  Inputs in = make_inputs(c);
-  auto call = make_gpu_call(c, in, *layer);
-  const std::vector<uint16_t> y = run_gpu(layer->gpu, *call);
-  const auto toks = check_tokens(c.T, c.check_tokens);
-  const std::vector<double> ref = run_reference(c, in, *layer, toks, Precision::Fp64, nullptr);
-  int64_t nan_ref = 0, mismatched = 0;
-  double num = 0, den = 0;
-  for (size_t i = 0; i < toks.size(); ++i)
-    for (int64_t h = 0; h < in.H; ++h) {
-      const double g = bf16_bits_to_f32(y[toks[i] * in.H + h]), r = ref[i * in.H + h];
-      nan_ref += std::isnan(r);
-      if (std::isnan(r) != std::isnan(g)) { ++mismatched; continue; }
-      if (!std::isnan(r)) { num += (g - r) * (g - r); den += r * r; }
-    }
-  EXPECT_GT(nan_ref, 0) << "no token reached expert 3: the test does not test";
-  EXPECT_EQ(mismatched, 0) << "outputs NaN on one side only";
-  EXPECT_LE(std::sqrt(num / std::max(den, 1e-30)), kRelL2A16);
-  std::printf("STAT %-40s NaN outputs %lld, mismatched %lld\n", "qwen3 NaN block scale", static_cast<long long>(nan_ref),
-              static_cast<long long>(mismatched));
+  auto layer = make_layer(c, [&](SyntheticLayer& L) { special(L.w1_sf); special(L.w2_sf); });
+  check_case(c, layer.get(), "qwen3 special scale codes");
+  // (A NaN scale code is rejected when the weights are prepared — bad input, tests/cpp/test_weights.cpp.)
 }
 
 TEST(GpuBatchInvariance, SubBatchesEqualFullBatch) {
