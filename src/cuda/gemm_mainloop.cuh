@@ -91,25 +91,24 @@ template <class C> struct TileLoader {
     }
   }
 
-  __device__ __forceinline__ void load(uint8_t* smem, int stage, int kb) const {
-    uint8_t* sA = smem + stage * C::STAGE_BYTES;
-    uint8_t* sB = sA + C::A_BYTES;
-    uint8_t* sSF = sB + C::B_BYTES;
+  // sstage: the shared-space address of the stage (dev::smem_addr of its first byte).
+  __device__ __forceinline__ void load(uint32_t sstage, int kb) const {
+    const uint32_t sA = sstage, sB = sA + C::A_BYTES, sSF = sB + C::B_BYTES;
     const int tid = threadIdx.x;
 #pragma unroll
     for (int i = 0; i < C::A_CHUNKS; ++i) {
       if (C::BM * 8 < C::THREADS * (i + 1) && tid + i * C::THREADS >= C::BM * 8) break;  // fewer chunks than threads
       const bool ok = a_src[i] != nullptr && kb * C::BK + a_k[i] < K;
-      dev::cp_async16(sA + a_dst[i], ok ? static_cast<const void*>(a_src[i] + kb * C::BK) : dummy, ok);
+      dev::cp_async16_s(sA + a_dst[i], ok ? static_cast<const void*>(a_src[i] + kb * C::BK) : dummy, ok);
     }
 #pragma unroll
     for (int i = 0; i < B_CHUNKS; ++i) {
       const bool ok = b_src[i] != nullptr;
       if (C::B_BYTES / 16 % C::THREADS != 0 && tid + i * C::THREADS >= C::B_BYTES / 16) break;
-      dev::cp_async16(sB + (tid + i * C::THREADS) * 16, ok ? b_src[i] + kb * b_stride : dummy, ok);
+      dev::cp_async16_s(sB + (tid + i * C::THREADS) * 16, ok ? b_src[i] + kb * b_stride : dummy, ok);
     }
     if constexpr (C::FP4) {
-      if (tid < S_CHUNKS) dev::cp_async16(sSF + tid * 16, s_src ? s_src + kb * s_stride : dummy, s_src != nullptr);
+      if (tid < S_CHUNKS) dev::cp_async16_s(sSF + tid * 16, s_src ? s_src + kb * s_stride : dummy, s_src != nullptr);
     }
   }
 };
@@ -138,9 +137,10 @@ template <class Cfg> struct MainLoop {
 
   __device__ __forceinline__ void run(uint8_t* smem, const TileLoader<C>& ld, int KB) {
     const int tid = threadIdx.x;
+    const uint32_t sbase = dev::smem_addr(smem);
 #pragma unroll
     for (int s = 0; s < C::STAGES - 1; ++s) {
-      if (s < KB) ld.load(smem, s, s);
+      if (s < KB) ld.load(sbase + s * C::STAGE_BYTES, s);
       dev::cp_async_commit();
     }
 
@@ -153,7 +153,7 @@ template <class Cfg> struct MainLoop {
       __syncthreads();
       {
         const int nk = kb + C::STAGES - 1;
-        if (nk < KB) ld.load(smem, nk % C::STAGES, nk);
+        if (nk < KB) ld.load(sbase + (nk % C::STAGES) * C::STAGE_BYTES, nk);
         dev::cp_async_commit();
       }
       if (kb % kChunkBlocks == 0) {

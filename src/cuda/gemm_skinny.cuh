@@ -68,9 +68,10 @@ __global__ void __launch_bounds__(Cfg::THREADS) skinny_gemm_kernel(GemmProblem g
   const KRange kr = k_range(KB, static_cast<int>(blockIdx.z), g.split);
   const int nkb = kr.end - kr.begin;
   const TileLoader<Cfg> ld(g, tr, tr.expert, static_cast<int>(blockIdx.y) * Cfg::BN);
+  const uint32_t sbase = dev::smem_addr(smem);
 #pragma unroll
   for (int s = 0; s < Cfg::STAGES - 1; ++s) {
-    if (s < nkb) ld.load(smem, s, kr.begin + s);
+    if (s < nkb) ld.load(sbase + s * Cfg::STAGE_BYTES, kr.begin + s);
     dev::cp_async_commit();
   }
 
@@ -80,6 +81,17 @@ __global__ void __launch_bounds__(Cfg::THREADS) skinny_gemm_kernel(GemmProblem g
   auto partial_at = [&](int chunk) {
     return reinterpret_cast<float4*>(g.partials) + ((tile_lin * chunks + chunk) * Cfg::THREADS + threadIdx.x) * GROUPS;
   };
+
+  // This lane's ldmatrix rows (tokens i*8 + lane%8, k chunks 2*s2 + lane/8, swizzled as TileLoader stores them):
+  // offsets within a stage, s2 = 0 and 2.
+  uint32_t tok_off[GROUPS][2];
+#pragma unroll
+  for (int i = 0; i < GROUPS; ++i)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = i * 8 + (lane & 7), ch = 4 * h + (lane >> 3);
+      tok_off[i][h] = row * 128 + ((ch ^ (row & 7)) << 4);
+    }
 
   float acc[GROUPS][4], part[GROUPS][4];
 #pragma unroll
@@ -93,7 +105,7 @@ __global__ void __launch_bounds__(Cfg::THREADS) skinny_gemm_kernel(GemmProblem g
     __syncthreads();
     {
       const int nj = j + Cfg::STAGES - 1;
-      if (nj < nkb) ld.load(smem, nj % Cfg::STAGES, kr.begin + nj);
+      if (nj < nkb) ld.load(sbase + (nj % Cfg::STAGES) * Cfg::STAGE_BYTES, kr.begin + nj);
       dev::cp_async_commit();
     }
     if (kb % kChunkBlocks == 0) {
@@ -102,6 +114,7 @@ __global__ void __launch_bounds__(Cfg::THREADS) skinny_gemm_kernel(GemmProblem g
 #pragma unroll
         for (int q = 0; q < 4; ++q) part[i][q] = 0.f;
     }
+    const uint32_t sstage = sbase + (j % Cfg::STAGES) * Cfg::STAGE_BYTES;
     const uint8_t* sA = smem + (j % Cfg::STAGES) * Cfg::STAGE_BYTES;
     const uint8_t* sB = sA + Cfg::A_BYTES;
     const uint8_t* sSF = sB + Cfg::B_BYTES;
@@ -110,16 +123,13 @@ __global__ void __launch_bounds__(Cfg::THREADS) skinny_gemm_kernel(GemmProblem g
 #pragma unroll
     for (int i = 0; i < GROUPS; ++i) {
       if (i >= groups) break;
-      // Tokens i*8 .. i*8+7 as B fragments, two k16 steps per ldmatrix.x4: matrix j = k chunk 2*s2 + j
-      // (8 tokens x 8 k, swizzled as TileLoader stores them); lane l addresses row l % 8 of matrix l / 8.
+      // Tokens i*8 .. i*8+7 as B fragments, two k16 steps per ldmatrix.x4 (matrix j = k chunk 2*s2 + j).
 #pragma unroll
-      for (int s2 = 0; s2 < 4; s2 += 2) {
+      for (int h = 0; h < 2; ++h) {
         uint32_t b[4];
-        const int row = i * 8 + (lane & 7);
-        const int ch = 2 * s2 + (lane >> 3);
-        dev::ldmatrix_x4(b, sA + row * 128 + ((ch ^ (row & 7)) << 4));
-        dev::mma_bf16_16816(part[i], wa[s2], b);
-        dev::mma_bf16_16816(part[i], wa[s2 + 1], b + 2);
+        dev::ldmatrix_x4_s(b, sstage + tok_off[i][h]);
+        dev::mma_bf16_16816(part[i], wa[2 * h], b);
+        dev::mma_bf16_16816(part[i], wa[2 * h + 1], b + 2);
       }
     }
     if (kb % kChunkBlocks == kChunkBlocks - 1 || kb == KB - 1) {  // chunk done

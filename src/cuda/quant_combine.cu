@@ -86,17 +86,33 @@ __global__ void combine_kernel(CombineParams p) {
     __syncthreads();
   }
   if (h >= p.H) return;
+  // Slots in batches of 8: ids, weights and the o rows of a batch are loaded before any is used (a decode
+  // token's combine is a chain of dependent loads otherwise); the sum still runs in slot order.
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  for (int j = 0; j < p.k; ++j) {
-    const int64_t entry = static_cast<int64_t>(t) * p.k + j;
-    const int e = p.ids[entry] - p.local_offset;
-    if (e < 0 || e >= p.E_loc) continue;  // another rank's expert, or a dropped bad id
-    const float w = p.weights[entry];
-    const float4 o = *reinterpret_cast<const float4*>(p.out + entry * p.H + h);
-    acc[0] = __fadd_rn(acc[0], __fmul_rn(w, o.x));
-    acc[1] = __fadd_rn(acc[1], __fmul_rn(w, o.y));
-    acc[2] = __fadd_rn(acc[2], __fmul_rn(w, o.z));
-    acc[3] = __fadd_rn(acc[3], __fmul_rn(w, o.w));
+  constexpr int kBatch = 8;
+  for (int j0 = 0; j0 < p.k; j0 += kBatch) {
+    int e[kBatch];
+    float w[kBatch];
+    float4 o[kBatch];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int64_t entry = static_cast<int64_t>(t) * p.k + j0 + b;
+      e[b] = j0 + b < p.k ? p.ids[entry] - p.local_offset : -1;
+      w[b] = j0 + b < p.k ? p.weights[entry] : 0.f;
+    }
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int64_t entry = static_cast<int64_t>(t) * p.k + j0 + b;
+      if (e[b] >= 0 && e[b] < p.E_loc) o[b] = *reinterpret_cast<const float4*>(p.out + entry * p.H + h);
+    }
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      if (e[b] < 0 || e[b] >= p.E_loc) continue;  // another rank's expert, a dropped bad id, or past k
+      acc[0] = __fadd_rn(acc[0], __fmul_rn(w[b], o[b].x));
+      acc[1] = __fadd_rn(acc[1], __fmul_rn(w[b], o[b].y));
+      acc[2] = __fadd_rn(acc[2], __fmul_rn(w[b], o[b].z));
+      acc[3] = __fadd_rn(acc[3], __fmul_rn(w[b], o[b].w));
+    }
   }
   if (p.shared_out) {
     const float4 s = *reinterpret_cast<const float4*>(p.shared_out + static_cast<int64_t>(t) * p.H + h);
