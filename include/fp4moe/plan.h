@@ -47,7 +47,7 @@ struct GemmConfig {
   int bm = 0, bn = 0, bk = 0;       // block tile: rows (tokens), columns (weight rows), K step
   int warps_m = 0, warps_n = 0;     // warp grid
   int stages = 0;                   // cp.async pipeline depth
-  bool weights_as_a = false;        // src/cuda/gemm_skinny.cuh: weights as the mma A operand, 16 rows a warp
+  bool weights_as_a = false;        // src/cuda/gemm_skinny.cuh: weights as the mma A operand, bn / warps_n rows a warp
   int threads() const { return 32 * warps_m * warps_n; }
 };
 
@@ -137,8 +137,8 @@ constexpr int64_t kSplitTargetBlocks = 264;
 
 constexpr int kNumGemmConfigs = 4;
 inline constexpr GemmConfig kGemmConfigs[kNumGemmConfigs] = {
-    {8, 128, 64, 1, 8, 8, true},   // decode: <= 8 rows per expert tile, small token stage, many bytes in flight
-    {32, 64, 64, 1, 4, 8, true},   // small batches: <= 32 rows per expert tile, weights read once
+    {8, 128, 64, 1, 4, 8, true},   // decode: <= 8 rows per expert tile, 32 weight rows a warp, many bytes in flight
+    {32, 128, 64, 1, 4, 6, true},  // small batches: <= 32 rows per expert tile, weights read once
     {64, 128, 64, 2, 4, 3},        // medium
     {128, 128, 64, 2, 4, 3},       // prefill
 };

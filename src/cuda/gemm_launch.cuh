@@ -8,8 +8,8 @@ namespace fp4moe::cuda_backend {
 
 // The tile configurations of plan.h's kGemmConfigs, by index.
 template <int Config, bool FP4> struct ConfigOf;
-template <bool FP4> struct ConfigOf<0, FP4> { using type = SkinnyConfig<8, 8, 8, FP4>; };
-template <bool FP4> struct ConfigOf<1, FP4> { using type = SkinnyConfig<32, 4, 8, FP4>; };
+template <bool FP4> struct ConfigOf<0, FP4> { using type = SkinnyConfig<8, 4, 8, FP4>; };
+template <bool FP4> struct ConfigOf<1, FP4> { using type = SkinnyConfig<32, 4, 6, FP4>; };
 template <bool FP4> struct ConfigOf<2, FP4> { using type = TileConfig<64, 128, 2, 4, 3, FP4>; };
 template <bool FP4> struct ConfigOf<3, FP4> { using type = TileConfig<128, 128, 2, 4, 3, FP4>; };
 // The table above must match plan.h (the plan sizes grids and shared memory from kGemmConfigs).

@@ -19,10 +19,10 @@
 
 namespace fp4moe::cuda_backend {
 
-// BM tokens x BN = 16 * WARPS weight rows a block; the stages are those of the mma.sync tile
-// (TileLoader: tokens in sA, weights and scales in sB / sSF), so the tokens stream with the weights.
-template <int BM, int WARPS, int STAGES, bool FP4>
-using SkinnyConfig = TileConfig<BM, 16 * WARPS, 1, WARPS, STAGES, FP4, true>;
+// BM tokens x BN = 16 * RG * WARPS weight rows a block (RG row groups of 16 per warp); the stages are those of the
+// mma.sync tile (TileLoader: tokens in sA, weights and scales in sB / sSF), so the tokens stream with the weights.
+template <int BM, int WARPS, int STAGES, bool FP4, int RG = 2>
+using SkinnyConfig = TileConfig<BM, 16 * RG * WARPS, 1, WARPS, STAGES, FP4, true>;
 
 // One warp's A fragments (16 weight rows x one k16 step) for the 4 steps of a k-block in shared memory:
 // thread (g, t) holds rows g and g + 8 at k = 2t, 2t+1 and 2t+8, 2t+9 — in the prepared layout, the bytes
@@ -56,14 +56,20 @@ __device__ __forceinline__ void weight_fragments(const uint8_t* st, const uint8_
 
 template <class Cfg, class Epi, class Act>
 __global__ void __launch_bounds__(Cfg::THREADS) skinny_gemm_kernel(GemmProblem g, typename Epi::Params ep) {
-  static_assert(Cfg::WEIGHTS_AS_A && Cfg::WARPS_M == 1 && Cfg::BN == 16 * Cfg::WARPS_N && Cfg::BM % 8 == 0, "skinny tile");
+  // RG row groups of 16 weight rows per warp: the token fragments, the loads and the loop are shared by RG
+  // decode streams (a decode GEMM is bound by the instructions per weight byte).
+  constexpr int RG = Cfg::BN / (16 * Cfg::WARPS_N);
+  static_assert(Cfg::WEIGHTS_AS_A && Cfg::WARPS_M == 1 && (RG == 1 || RG == 2) && Cfg::BN == 16 * RG * Cfg::WARPS_N &&
+                    Cfg::BM % 8 == 0,
+                "skinny tile");
   constexpr int GROUPS = Cfg::BM / 8;
+  constexpr int ACCS = GROUPS * RG;  // accumulator (token group i, row group r) at i * RG + r
   extern __shared__ __align__(128) uint8_t smem[];
   TileRows tr;
   if (!resolve_tile<Cfg::BM>(g, tr)) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2, t = lane & 3;
-  const int n0 = static_cast<int>(blockIdx.y) * Cfg::BN + warp * 16;  // this warp's weight rows
-  const int groups = (tr.row_end - tr.row0 + 7) >> 3;                // token groups of 8 with rows (uniform)
+  const int n0 = static_cast<int>(blockIdx.y) * Cfg::BN + warp * 16 * RG;  // this warp's first weight row
+  const int groups = (tr.row_end - tr.row0 + 7) >> 3;                     // token groups with rows (uniform)
   const int KB = static_cast<int>(g.B.Kp / Cfg::BK);
   const KRange kr = k_range(KB, static_cast<int>(blockIdx.z), g.split);
   const int nkb = kr.end - kr.begin;
@@ -79,11 +85,10 @@ __global__ void __launch_bounds__(Cfg::THREADS) skinny_gemm_kernel(GemmProblem g
   const int chunks = (KB + kChunkBlocks - 1) / kChunkBlocks;
   const int64_t tile_lin = static_cast<int64_t>(blockIdx.x) * gridDim.y + blockIdx.y;
   auto partial_at = [&](int chunk) {
-    return reinterpret_cast<float4*>(g.partials) + ((tile_lin * chunks + chunk) * Cfg::THREADS + threadIdx.x) * GROUPS;
+    return reinterpret_cast<float4*>(g.partials) + ((tile_lin * chunks + chunk) * Cfg::THREADS + threadIdx.x) * ACCS;
   };
 
-  // This lane's ldmatrix rows (tokens i*8 + lane%8, k chunks 2*s2 + lane/8, swizzled as TileLoader stores them):
-  // offsets within a stage, s2 = 0 and 2.
+  // This lane's ldmatrix rows (tokens i*8 + lane%8, k chunks 4h + lane/8, swizzled as TileLoader stores them).
   uint32_t tok_off[GROUPS][2];
 #pragma unroll
   for (int i = 0; i < GROUPS; ++i)
@@ -93,11 +98,11 @@ __global__ void __launch_bounds__(Cfg::THREADS) skinny_gemm_kernel(GemmProblem g
       tok_off[i][h] = row * 128 + ((ch ^ (row & 7)) << 4);
     }
 
-  float acc[GROUPS][4], part[GROUPS][4];
+  float acc[ACCS][4], part[ACCS][4];
 #pragma unroll
-  for (int i = 0; i < GROUPS; ++i)
+  for (int a = 0; a < ACCS; ++a)
 #pragma unroll
-    for (int q = 0; q < 4; ++q) acc[i][q] = 0.f;
+    for (int q = 0; q < 4; ++q) acc[a][q] = 0.f;
 
   for (int j = 0; j < nkb; ++j) {
     const int kb = kr.begin + j;
@@ -110,39 +115,46 @@ __global__ void __launch_bounds__(Cfg::THREADS) skinny_gemm_kernel(GemmProblem g
     }
     if (kb % kChunkBlocks == 0) {
 #pragma unroll
-      for (int i = 0; i < GROUPS; ++i)
+      for (int a = 0; a < ACCS; ++a)
 #pragma unroll
-        for (int q = 0; q < 4; ++q) part[i][q] = 0.f;
+        for (int q = 0; q < 4; ++q) part[a][q] = 0.f;
     }
     const uint32_t sstage = sbase + (j % Cfg::STAGES) * Cfg::STAGE_BYTES;
-    const uint8_t* sA = smem + (j % Cfg::STAGES) * Cfg::STAGE_BYTES;
-    const uint8_t* sB = sA + Cfg::A_BYTES;
+    const uint8_t* sB = smem + (j % Cfg::STAGES) * Cfg::STAGE_BYTES + Cfg::A_BYTES;
     const uint8_t* sSF = sB + Cfg::B_BYTES;
-    uint32_t wa[4][4];
-    weight_fragments<Cfg>(sB + warp * 16 * Cfg::B_ROW_BYTES, sSF + warp * 16 * 4, gq, t, wa);
+    uint32_t wa[RG][4][4];
+#pragma unroll
+    for (int r = 0; r < RG; ++r) {
+      const int row = (warp * RG + r) * 16;
+      weight_fragments<Cfg>(sB + row * Cfg::B_ROW_BYTES, sSF + row * 4, gq, t, wa[r]);
+    }
 #pragma unroll
     for (int i = 0; i < GROUPS; ++i) {
       if (i >= groups) break;
-      // Tokens i*8 .. i*8+7 as B fragments, two k16 steps per ldmatrix.x4 (matrix j = k chunk 2*s2 + j).
+      // Tokens i*8 .. i*8+7 as B fragments, two k16 steps per ldmatrix.x4 (matrix j = k chunk 4h + j), shared by
+      // the row groups.
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         uint32_t b[4];
         dev::ldmatrix_x4_s(b, sstage + tok_off[i][h]);
-        dev::mma_bf16_16816(part[i], wa[2 * h], b);
-        dev::mma_bf16_16816(part[i], wa[2 * h + 1], b + 2);
+#pragma unroll
+        for (int r = 0; r < RG; ++r) {
+          dev::mma_bf16_16816(part[i * RG + r], wa[r][2 * h], b);
+          dev::mma_bf16_16816(part[i * RG + r], wa[r][2 * h + 1], b + 2);
+        }
       }
     }
     if (kb % kChunkBlocks == kChunkBlocks - 1 || kb == KB - 1) {  // chunk done
       if (g.split > 1) {
         float4* dst = partial_at(kb / kChunkBlocks);
 #pragma unroll
-        for (int i = 0; i < GROUPS; ++i) dst[i] = make_float4(part[i][0], part[i][1], part[i][2], part[i][3]);
+        for (int a = 0; a < ACCS; ++a) dst[a] = make_float4(part[a][0], part[a][1], part[a][2], part[a][3]);
       } else {
         const bool first = kb < kChunkBlocks;
 #pragma unroll
-        for (int i = 0; i < GROUPS; ++i)
+        for (int a = 0; a < ACCS; ++a)
 #pragma unroll
-          for (int q = 0; q < 4; ++q) acc[i][q] = first ? part[i][q] : __fadd_rn(acc[i][q], part[i][q]);
+          for (int q = 0; q < 4; ++q) acc[a][q] = first ? part[a][q] : __fadd_rn(acc[a][q], part[a][q]);
       }
     }
   }
@@ -163,28 +175,28 @@ __global__ void __launch_bounds__(Cfg::THREADS) skinny_gemm_kernel(GemmProblem g
     for (int c = 0; c < chunks; ++c) {
       const float4* src = partial_at(c);
 #pragma unroll
-      for (int i = 0; i < GROUPS; ++i) {
-        const float4 v = __ldcg(src + i);
+      for (int a = 0; a < ACCS; ++a) {
+        const float4 v = __ldcg(src + a);
         const float p[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-        for (int q = 0; q < 4; ++q) acc[i][q] = c == 0 ? p[q] : __fadd_rn(acc[i][q], p[q]);
+        for (int q = 0; q < 4; ++q) acc[a][q] = c == 0 ? p[q] : __fadd_rn(acc[a][q], p[q]);
       }
     }
   }
   if constexpr (Cfg::FP4) {
 #pragma unroll
-    for (int i = 0; i < GROUPS; ++i)
+    for (int a = 0; a < ACCS; ++a)
 #pragma unroll
-      for (int q = 0; q < 4; ++q) acc[i][q] *= nvfp4_prepared::kProductScale;
+      for (int q = 0; q < 4; ++q) acc[a][q] *= nvfp4_prepared::kProductScale;
   }
 
-  // Thread (g, t) holds out(token 2t + {0,1} of group i, weight rows n0 + g and n0 + g + 8). The epilogue
-  // takes column pairs (even, odd) of one row: row g + 1's values come from lane + 4.
-  float nb[GROUPS][4];
+  // Thread (g, t) holds out(token 2t + {0,1} of group i, weight rows n0 + 16r + g and + 8). The epilogue takes
+  // column pairs (even, odd) of one row: row g + 1's values come from lane + 4.
+  float nb[ACCS][4];
 #pragma unroll
-  for (int i = 0; i < GROUPS; ++i)
+  for (int a = 0; a < ACCS; ++a)
 #pragma unroll
-    for (int q = 0; q < 4; ++q) nb[i][q] = __shfl_down_sync(0xffffffffu, acc[i][q], 4);
+    for (int q = 0; q < 4; ++q) nb[a][q] = __shfl_down_sync(0xffffffffu, acc[a][q], 4);
   if (gq & 1) return;
   const auto x = Epi::template expert_ctx<Act>(ep, tr.expert);
 #pragma unroll
@@ -192,11 +204,15 @@ __global__ void __launch_bounds__(Cfg::THREADS) skinny_gemm_kernel(GemmProblem g
     if (i >= groups) break;
 #pragma unroll
     for (int tk = 0; tk < 2; ++tk) {
-      const int r = tr.row0 + i * 8 + 2 * t + tk;
-      if (r >= tr.row_end) continue;
-      const auto rc = Epi::row_ctx(ep, g, x, r);
-      Epi::template pair<Act>(ep, x, rc, n0 + gq, acc[i][tk], nb[i][tk]);
-      Epi::template pair<Act>(ep, x, rc, n0 + gq + 8, acc[i][2 + tk], nb[i][2 + tk]);
+      const int row = tr.row0 + i * 8 + 2 * t + tk;
+      if (row >= tr.row_end) continue;
+      const auto rc = Epi::row_ctx(ep, g, x, row);
+#pragma unroll
+      for (int r = 0; r < RG; ++r) {
+        const int a = i * RG + r;
+        Epi::template pair<Act>(ep, x, rc, n0 + 16 * r + gq, acc[a][tk], nb[a][tk]);
+        Epi::template pair<Act>(ep, x, rc, n0 + 16 * r + gq + 8, acc[a][2 + tk], nb[a][2 + tk]);
+      }
     }
   }
 }

@@ -125,7 +125,8 @@ MoePlan make_plan(const ProblemShape& shape) {
     if (!g.weights_as_a || p.perm_blocks != 1 || blocks == 0 || blocks >= kSplitTargetBlocks || chunks < 2) return 1;
     const int64_t want = std::min(chunks, ceil_div(kSplitTargetBlocks, blocks));
     const int64_t split = ceil_div(chunks, ceil_div(chunks, want));
-    partial_floats = std::max(partial_floats, blocks * chunks * g.threads() * (g.bm / 2));
+    const int64_t rows_per_warp = g.bn / g.warps_n;  // accumulators: (bm / 8) token groups x (rows / 16) x 4
+    partial_floats = std::max(partial_floats, blocks * chunks * g.threads() * (g.bm / 8) * (rows_per_warp / 16) * 4);
     counters = std::max(counters, blocks);
     return static_cast<int>(split);
   };
