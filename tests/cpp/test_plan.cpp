@@ -63,13 +63,29 @@ void check_plan(const ProblemShape& s, std::mt19937_64& rng) {
   // GEMM tiles cover N and K; the tile fits the warp grid; shared memory within the sm_90 limit.
   const GemmConfig& g = p.gemm;
   EXPECT_EQ(g.bk, 64);  // the prepared weight layout is blocked by 64 along K
-  if (g.weights_as_a) {  // 16 weight rows per warp, tokens in groups of 8
+  if (g.weights_as_a) {  // 16 or 32 weight rows per warp, tokens in groups of 8
     EXPECT_EQ(g.warps_m, 1);
-    EXPECT_EQ(g.bn, 16 * g.warps_n);
+    EXPECT_TRUE(g.bn == 16 * g.warps_n || g.bn == 32 * g.warps_n) << g.bn;
     EXPECT_EQ(g.bm % 8, 0);
   } else {
     EXPECT_EQ(g.bm % (16 * g.warps_m), 0);
     EXPECT_EQ(g.bn % (32 * g.warps_n), 0);
+  }
+  // Split-K (skinny tiles, one-block permutation only): whole K chunks, no empty split, partials and counters
+  // sized for the grid.
+  struct SplitCase { int split; int64_t m_tiles, n_tiles, k_pad; };
+  for (const SplitCase& c : {SplitCase{p.split1, p.max_m_tiles, p.n1_tiles, p.k1_pad},
+                             SplitCase{p.split2, p.max_m_tiles, p.n2_tiles, p.k2_pad}}) {
+    EXPECT_GE(c.split, 1);
+    if (c.split == 1) continue;
+    EXPECT_TRUE(g.weights_as_a);
+    EXPECT_EQ(p.perm_blocks, 1);
+    const int64_t chunks = (c.k_pad + kKChunk - 1) / kKChunk, per = (chunks + c.split - 1) / c.split;
+    EXPECT_LE(c.split, chunks);
+    EXPECT_LT((c.split - 1) * per, chunks) << "an empty split";
+    const int64_t accs = (g.bm / 8) * (g.bn / g.warps_n / 16);
+    EXPECT_GE(p.split_partials.bytes, static_cast<size_t>(c.m_tiles * c.n_tiles * chunks * g.threads() * accs * 16));
+    EXPECT_GE(p.split_counters.bytes, static_cast<size_t>(c.m_tiles * c.n_tiles * 4));
   }
   EXPECT_LE(g.threads(), 1024);
   EXPECT_LE(p.gemm_smem, 227u * 1024u);
