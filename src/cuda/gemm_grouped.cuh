@@ -5,6 +5,7 @@
 
 #include "common/activation.h"
 #include "cuda/gemm_mainloop.cuh"
+#include "cuda/pdl.cuh"
 
 namespace fp4moe::cuda_backend {
 
@@ -208,6 +209,8 @@ __device__ __forceinline__ void tile_epilogue(const typename Epi::Params& p, con
 template <class Cfg, class Epi, class Act>
 __global__ void __launch_bounds__(Cfg::THREADS) grouped_gemm_kernel(GemmProblem g, typename Epi::Params ep) {
   extern __shared__ __align__(128) uint8_t smem[];
+  dev::pdl_wait();
+  dev::pdl_launch_dependents();
   TileRows tr;
   if (!resolve_tile<Cfg::BM>(g, tr)) return;
   const int n0 = static_cast<int>(blockIdx.y) * Cfg::BN;

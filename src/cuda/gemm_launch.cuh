@@ -33,9 +33,8 @@ void launch_grouped(const GemmProblem& g, const typename Epi::Params& ep, int n_
     check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::SMEM_BYTES),
                "cudaFuncSetAttribute(grouped_gemm_kernel)");
   const unsigned splits = Cfg::WEIGHTS_AS_A ? static_cast<unsigned>(g.split) : 1u;  // split-K: skinny tiles only
-  kernel<<<dim3(static_cast<unsigned>(m_tiles), static_cast<unsigned>(n_tiles), splits), Cfg::THREADS, Cfg::SMEM_BYTES,
-           stream>>>(g, ep);
-  check_launch("grouped_gemm_kernel");
+  launch_pdl(kernel, dim3(static_cast<unsigned>(m_tiles), static_cast<unsigned>(n_tiles), splits), dim3(Cfg::THREADS),
+             Cfg::SMEM_BYTES, stream, "grouped_gemm_kernel", g, ep);
 }
 
 template <bool FP4> void launch_gemm1_fmt(int config, ActivationType at, const GemmProblem& g, const Epilogue1Params& e,

@@ -16,6 +16,7 @@
 #include <cstdint>
 
 #include "cuda/gemm_grouped.cuh"
+#include "cuda/pdl.cuh"
 
 namespace fp4moe::cuda_backend {
 
@@ -65,6 +66,8 @@ __global__ void __launch_bounds__(Cfg::THREADS) skinny_gemm_kernel(GemmProblem g
   constexpr int GROUPS = Cfg::BM / 8;
   constexpr int ACCS = GROUPS * RG;  // accumulator (token group i, row group r) at i * RG + r
   extern __shared__ __align__(128) uint8_t smem[];
+  dev::pdl_wait();
+  dev::pdl_launch_dependents();
   TileRows tr;
   if (!resolve_tile<Cfg::BM>(g, tr)) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2, t = lane & 3;

@@ -6,6 +6,7 @@
 // A chunk of one block's entries runs the three steps in one kernel (permute_one_block_kernel).
 // Ids outside [0, E_total) are dropped and raise the device error flag (never an out-of-bounds access).
 #include "cuda/kernels.h"
+#include "cuda/pdl.cuh"
 
 namespace fp4moe::cuda_backend {
 namespace {
@@ -19,6 +20,8 @@ __device__ __forceinline__ int local_expert(const PermuteParams& p, int i) {
 }
 
 __global__ void count_kernel(PermuteParams p) {
+  dev::pdl_wait();
+  dev::pdl_launch_dependents();
   extern __shared__ int cnt[];
   const int lane = threadIdx.x;
   for (int e = lane; e < p.E_loc; e += 32) cnt[e] = 0;
@@ -128,6 +131,8 @@ __device__ void place_entries(const PermuteParams& p, int* next, int begin, int 
 }
 
 __global__ void __launch_bounds__(kScanThreads) scan_kernel(PermuteParams p) {
+  dev::pdl_wait();
+  dev::pdl_launch_dependents();
   __shared__ int offs[4097];   // expert row offsets (exclusive), then the total
   __shared__ int toffs[4097];  // expert tile offsets
   const int E = p.E_loc;
@@ -149,6 +154,8 @@ __global__ void __launch_bounds__(kScanThreads) scan_kernel(PermuteParams p) {
 // All of count, scan and place in one block, for a chunk of at most one block of entries (decode and small
 // batches, where three launches cost more than the work).
 __global__ void __launch_bounds__(kScanThreads) permute_one_block_kernel(PermuteParams p) {
+  dev::pdl_wait();
+  dev::pdl_launch_dependents();
   __shared__ int offs[4097];
   __shared__ int toffs[4097];
   for (int e = threadIdx.x; e < p.E_loc; e += blockDim.x) offs[e] = 0;
@@ -168,6 +175,8 @@ __global__ void __launch_bounds__(kScanThreads) permute_one_block_kernel(Permute
 }
 
 __global__ void place_kernel(PermuteParams p) {
+  dev::pdl_wait();
+  dev::pdl_launch_dependents();
   extern __shared__ int next[];
   const int32_t* base = p.block_counts + static_cast<int64_t>(blockIdx.x) * p.E_loc;
   for (int e = threadIdx.x; e < p.E_loc; e += 32) next[e] = p.expert_offsets[e] + base[e];
@@ -182,17 +191,13 @@ void launch_permute(const PermuteParams& p, cudaStream_t stream) {
   if (p.rows <= 0) return;
   if (p.num_blocks == 1) {
     const int threads = p.rows <= 256 && p.E_loc <= 1024 ? 256 : kScanThreads;
-    permute_one_block_kernel<<<1, threads, 0, stream>>>(p);
-    check_launch("permute_one_block_kernel");
+    launch_pdl(permute_one_block_kernel, dim3(1), dim3(threads), 0, stream, "permute_one_block_kernel", p);
     return;
   }
   const size_t smem = static_cast<size_t>(p.E_loc) * sizeof(int);
-  count_kernel<<<p.num_blocks, 32, smem, stream>>>(p);
-  check_launch("count_kernel");
-  scan_kernel<<<1, kScanThreads, 0, stream>>>(p);
-  check_launch("scan_kernel");
-  place_kernel<<<p.num_blocks, 32, smem, stream>>>(p);
-  check_launch("place_kernel");
+  launch_pdl(count_kernel, dim3(p.num_blocks), dim3(32), smem, stream, "count_kernel", p);
+  launch_pdl(scan_kernel, dim3(1), dim3(kScanThreads), 0, stream, "scan_kernel", p);
+  launch_pdl(place_kernel, dim3(p.num_blocks), dim3(32), smem, stream, "place_kernel", p);
 }
 
 }  // namespace fp4moe::cuda_backend

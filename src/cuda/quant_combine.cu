@@ -1,5 +1,6 @@
 // Small element-wise kernels: the A4 NVFP4 quantizers (x before GEMM1, a before GEMM2) and the combine.
 #include "cuda/kernels.h"
+#include "cuda/pdl.cuh"
 #include "cuda/nvfp4_device.cuh"
 
 namespace fp4moe::cuda_backend {
@@ -53,6 +54,8 @@ __global__ void quantize_kernel(QuantizeParams p) {
 // as the reference), rounded once to bf16, or written as the fp32 sum (y_f32: float32 y, no rounding, as the
 // reference's float32 y). One thread per 4 outputs of a token.
 __global__ void combine_kernel(CombineParams p) {
+  dev::pdl_wait();
+  dev::pdl_launch_dependents();
   const int64_t gid = static_cast<int64_t>(blockIdx.x);
   const int t = static_cast<int>(gid / p.blocks_per_token);
   const int h = (static_cast<int>(gid % p.blocks_per_token) * p.threads + threadIdx.x) * 4;
@@ -151,8 +154,7 @@ void launch_quantize(const QuantizeParams& p, cudaStream_t stream) {
 void launch_combine(const CombineParams& p, cudaStream_t stream) {
   if (p.T <= 0) return;
   const int64_t blocks = static_cast<int64_t>(p.T) * p.blocks_per_token;
-  combine_kernel<<<static_cast<unsigned>(blocks), p.threads, 0, stream>>>(p);
-  check_launch("combine_kernel");
+  launch_pdl(combine_kernel, dim3(static_cast<unsigned>(blocks)), dim3(p.threads), 0, stream, "combine_kernel", p);
 }
 
 }  // namespace fp4moe::cuda_backend

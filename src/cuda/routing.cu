@@ -7,6 +7,7 @@
 #include "common/activation.h"
 #include "cuda/kernels.h"
 #include "cuda/nvfp4_device.cuh"
+#include "cuda/pdl.cuh"
 
 namespace fp4moe::cuda_backend {
 namespace {
@@ -111,6 +112,8 @@ __device__ __forceinline__ float read_logit(const RoutingParams& p, int t, int e
 }
 
 __global__ void routing_kernel(RoutingParams p) {
+  dev::pdl_wait();
+  dev::pdl_launch_dependents();
   extern __shared__ float smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int t = blockIdx.x * (blockDim.x >> 5) + warp;
@@ -278,8 +281,7 @@ void launch_routing(const RoutingParams& p, int warps_per_block, size_t smem, cu
   if (smem > 48 * 1024)
     check_cuda(cudaFuncSetAttribute(routing_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
                "cudaFuncSetAttribute(routing_kernel)");
-  routing_kernel<<<blocks, 32 * warps_per_block, smem, stream>>>(p);
-  check_launch("routing_kernel");
+  launch_pdl(routing_kernel, dim3(blocks), dim3(32 * warps_per_block), smem, stream, "routing_kernel", p);
 }
 
 }  // namespace fp4moe::cuda_backend
