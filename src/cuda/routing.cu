@@ -36,7 +36,9 @@ constexpr int kRegsPerLane = 16;  // E <= 512: each lane keeps its candidates' s
 
 // Records winner bi of round j in the slot registers (slot j lives on lane j % 32).
 __device__ __forceinline__ void record_slot(int j, int bi, int my_id[2]) {
-  if ((threadIdx.x & 31) == (j & 31)) my_id[j < 32 ? 0 : 1] = bi;
+  if ((threadIdx.x & 31) != (j & 31)) return;
+  if (j < 32) my_id[0] = bi;  // static indices: my_id stays in registers
+  else my_id[1] = bi;
 }
 
 // The order of ranks_before over scores as an unsigned key (higher first): NaN ranks below every number
@@ -52,11 +54,13 @@ __device__ __forceinline__ uint32_t rank_key(float s) {
 // lowest id among the lanes that hold it.
 __device__ __forceinline__ void topk_in_registers(const float* sel, int E, int k, uint32_t excluded, int my_id[2]) {
   const int lane = threadIdx.x & 31;
-  uint32_t key[kRegsPerLane];
+  uint32_t key[kRegsPerLane];  // read-only after this loop (taken candidates leave `avail`): stays in registers
+  uint32_t avail = 0;
 #pragma unroll
   for (int i = 0; i < kRegsPerLane; ++i) {
     const int e = lane + 32 * i;
-    key[i] = e < E && !((excluded >> i) & 1u) ? rank_key(sel[e]) : 0u;
+    key[i] = e < E ? rank_key(sel[e]) : 0u;
+    if (e < E && !((excluded >> i) & 1u)) avail |= 1u << i;
   }
   uint32_t lk = 0;
   int li = 0;
@@ -65,7 +69,7 @@ __device__ __forceinline__ void topk_in_registers(const float* sel, int E, int k
     li = 0;
 #pragma unroll
     for (int i = 0; i < kRegsPerLane; ++i)
-      if (key[i] > lk) { lk = key[i]; li = i; }  // strict: the lowest id among equal keys
+      if (((avail >> i) & 1u) && key[i] > lk) { lk = key[i]; li = i; }  // strict: the lowest id among equals
   };
   local_best();
   for (int j = 0; j < k; ++j) {
@@ -74,9 +78,7 @@ __device__ __forceinline__ void topk_in_registers(const float* sel, int E, int k
     const uint32_t id = 0xffffu - __reduce_max_sync(0xffffffffu, mine);
     const int bi = best == 0 ? -1 : static_cast<int>(id);
     if (bi >= 0 && (bi & 31) == lane) {
-#pragma unroll
-      for (int i = 0; i < kRegsPerLane; ++i)
-        if (i == (bi >> 5)) key[i] = 0u;
+      avail &= ~(1u << (bi >> 5));
       local_best();
     }
     record_slot(j, bi, my_id);
@@ -126,11 +128,17 @@ __global__ void routing_kernel(RoutingParams p) {
   // Selection scores. For E <= 32 * kRegsPerLane the logits (and the bias) are loaded into registers first, all
   // loads in flight at once: a decode step's routing is one warp's latency, not work.
   const bool in_regs = E <= 32 * kRegsPerLane;
+  const bool with_bias = p.bias && (method == RoutingMethod::DeepSeekV3 || method == RoutingMethod::MiniMax2);
+  float bias_r[kRegsPerLane];
   float m = -INFINITY;
   if (in_regs) {
     float l[kRegsPerLane];
 #pragma unroll
     for (int i = 0; i < kRegsPerLane; ++i) l[i] = lane + 32 * i < E ? read_logit(p, t, lane + 32 * i) : 0.f;
+    if (with_bias) {  // loaded with the logits, not after them (one memory latency less)
+#pragma unroll
+      for (int i = 0; i < kRegsPerLane; ++i) bias_r[i] = lane + 32 * i < E ? p.bias[lane + 32 * i] : 0.f;
+    }
 #pragma unroll
     for (int i = 0; i < kRegsPerLane; ++i)
       if (lane + 32 * i < E) {
@@ -160,14 +168,11 @@ __global__ void routing_kernel(RoutingParams p) {
     for (int e = lane; e < E; e += 32) sel[e] = act::sigmoid(sel[e]);
   } else if (method == RoutingMethod::DeepSeekV3 || method == RoutingMethod::MiniMax2) {
     if (in_regs) {
-      float b[kRegsPerLane];
-#pragma unroll
-      for (int i = 0; i < kRegsPerLane; ++i) b[i] = p.bias && lane + 32 * i < E ? p.bias[lane + 32 * i] : 0.f;
 #pragma unroll
       for (int i = 0; i < kRegsPerLane; ++i)
         if (lane + 32 * i < E) {
           const float s = act::sigmoid(sel[lane + 32 * i]);
-          sel[lane + 32 * i] = p.bias ? s + b[i] : s;
+          sel[lane + 32 * i] = with_bias ? s + bias_r[i] : s;
         }
     } else {
       for (int e = lane; e < E; e += 32) {
