@@ -19,10 +19,10 @@ namespace fp4moe::cuda_backend {
 // ---- prepared weights on the device ------------------------------------------------------------
 // Kernel layout of one [N, K] weight matrix per expert, K padded to Kp = roundup(K, 64) with zeros and
 // stored k-block-major, so that one block tile (bn rows x 64 K) is a contiguous run of bytes:
-//   NVFP4 data  [E][Kp/64][N][32 bytes]   within a row's 32 bytes, lane t of a quad finds its mma B
-//                                          fragments for the 4 k16 steps at bytes t*8 .. t*8+7:
-//                                          new[t*8 + s*2 + h] = old[s*8 + t + 4h]
-//   NVFP4 scale [E][Kp/64][N][4]          the 4 E4M3 block scales of the row's 64 K
+//   NVFP4 data  [E][Kp/64][N][32 bytes]   within a row's 32 bytes, lane t of a quad finds the values of its mma
+//                                          fragments for the 4 k16 steps at bytes t*8 .. t*8+7 (elements
+//                                          16s + 2t + 8h, +1), bit-placed as format/nvfp4_prepared.h says
+//   NVFP4 scale [E][Kp/64][N][4]          the 4 block scales of the row's 64 K, as nvfp4_prepared.h codes
 //   BF16 data   [E][Kp/64][N][64 elems]   new[t*16 + s*4 + q] = old[s*16 + 2t + {0,1,8,9}[q]]
 // Gated W1 rows are interleaved: prepared row 2j = gate row j, 2j+1 = up row j (whatever the weights'
 // half order), so one thread's accumulator pair (c0, c1) holds the gate and up of the same j.
