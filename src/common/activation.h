@@ -3,13 +3,8 @@
 #pragma once
 #include <cmath>
 
+#include "common/host_device.h"
 #include "fp4moe/types.h"
-
-#if defined(__CUDACC__)
-#define FP4MOE_HD __host__ __device__ __forceinline__
-#else
-#define FP4MOE_HD inline
-#endif
 
 namespace fp4moe::act {
 

@@ -20,11 +20,7 @@
 #pragma once
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define FP4MOE_HD __host__ __device__ __forceinline__
-#else
-#define FP4MOE_HD inline
-#endif
+#include "common/host_device.h"
 
 namespace fp4moe::nvfp4_prepared {
 
