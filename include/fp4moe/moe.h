@@ -141,7 +141,8 @@ struct MoeArgs {
   TensorView activation_out;      // bf16 [T, k, I], out (slots whose expert is not local are written 0)
   // Output and workspace.
   TensorView y;                   // bf16 [T, H], or f32 (the unrounded sum); the reference also takes f64
-  TensorView workspace;           // u8, >= workspace_size(); CUDA only; absent = allocate internally
+  TensorView workspace;           // u8, >= workspace_size(); CUDA only; absent = allocate internally. Any
+                                  // contents (the call initialises what it reads); one call at a time per workspace
   void* stream = nullptr;         // cudaStream_t
   Precision precision = Precision::Fp32;  // Fp64: CPU reference only
   int num_threads = 0;                    // CPU: 0 = hardware concurrency
