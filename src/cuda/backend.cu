@@ -89,9 +89,7 @@ void layout_nvfp4(const uint8_t* q, const uint8_t* sf, int64_t E, int64_t N, int
               const int64_t old = kb * 32 + s * 8 + t + 4 * h;  // elements 16s + 2t + 8h and + 1
               const uint8_t pair = old < KQ ? qr[old] : 0;
               for (int half = 0; half < 2; ++half) {
-                uint8_t c = static_cast<uint8_t>((pair >> (4 * half)) & 0xf);
-                if (ps[s].negative) c ^= 8;
-                if (ps[s].zero) c &= 8;
+                const uint8_t c = pf::prepare_value(static_cast<uint8_t>((pair >> (4 * half)) & 0xf), ps[s]);
                 pf::place_value(word[s / 2], 2 * (s % 2) + h, half, c);
               }
             }

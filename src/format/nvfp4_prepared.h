@@ -77,6 +77,13 @@ inline PreparedScale prepare_scale(uint8_t e4m3) {
   return {static_cast<uint8_t>(((x + 21) << 3) | static_cast<int>(f)), negative, false};
 }
 
+// E2M1 code c of a block under scale ps, as stored: the scale's sign moved into it, zeroed under a zero scale.
+inline uint8_t prepare_value(uint8_t c, const PreparedScale& ps) {
+  if (ps.negative) c ^= 8u;
+  if (ps.zero) c &= 8u;
+  return c;
+}
+
 // Puts E2M1 code c (sign bit 3) of slot j, half h (0 low, 1 high) into word x.
 inline void place_value(uint32_t& x, int j, int h, uint8_t c) {
   x |= static_cast<uint32_t>(c & 7u) << (kMagBit[j] + 16 * h);

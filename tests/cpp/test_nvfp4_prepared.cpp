@@ -54,9 +54,7 @@ TEST(PreparedNvfp4, EveryCodeTimesEveryScaleIsExact) {
         const uint32_t pair = pf::scale_pair(k4, first);
         const float s2 = bf16_bits_to_float(which ? pair >> 16 : pair);
         for (int code = 0; code < 16; ++code) {
-          uint8_t c = static_cast<uint8_t>(code);
-          if (ps.negative) c ^= 8;
-          if (ps.zero) c &= 8;
+          const uint8_t c = pf::prepare_value(static_cast<uint8_t>(code), ps);
           const float want = nv::e2m1_decode(static_cast<uint8_t>(code)) * scale;
           for (int j = 0; j < 4; ++j)
             for (int h = 0; h < 2; ++h) {

@@ -29,7 +29,7 @@ int main() {  // exit status: 0 when every value matches
   for (int i = 0; i < n; ++i) {
     int sc = i / 16, c = i % 16;
     auto ps = pf::prepare_scale(sc);
-    uint8_t cc = c; if (ps.negative) cc ^= 8; if (ps.zero) cc &= 8;
+    const uint8_t cc = pf::prepare_value(static_cast<uint8_t>(c), ps);
     uint32_t w[2] = {0, 0};
     for (int s = 0; s < 4; ++s) for (int h = 0; h < 2; ++h) for (int half = 0; half < 2; ++half) pf::place_value(w[s / 2], 2 * (s % 2) + h, half, cc);
     raw[i] = make_uint2(w[0], w[1]);
