@@ -699,23 +699,27 @@ void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& a
                  static_cast<int>(plan.max_m_tiles), stream);
 
     // 4b. LoRA: shrink of the bf16 a (before the A4 rounding below), per routed row.
-    if (lora) {
+    // The LoRA shrink of a GEMM1 output a [rows, K] for projection `which` (routed: the permuted rows; else dense).
+    auto shrink_act = [&](const uint16_t* a, int64_t K, int n_rows, int which, float* t, bool routed) {
       LoraShrink2Params lp;
       lp.table = lora_table;
       lp.token_slot = lora_slot;
-      lp.a = act_buf;
-      lp.K = static_cast<int>(I);
-      lp.rows = rows;
-      lp.row_count = expert_offsets + w.E;
-      lp.row_entry = row_entry;
-      lp.ids = ids;
-      lp.k = static_cast<int>(k);
-      lp.local_offset = static_cast<int>(args.local_expert_offset);
-      lp.which = kLoraDown;
-      lp.t = lora_t2;
+      lp.a = a;
+      lp.K = static_cast<int>(K);
+      lp.rows = n_rows;
+      if (routed) {
+        lp.row_count = expert_offsets + w.E;
+        lp.row_entry = row_entry;
+        lp.ids = ids;
+        lp.k = static_cast<int>(k);
+        lp.local_offset = static_cast<int>(args.local_expert_offset);
+      }
+      lp.which = which;
+      lp.t = t;
       lp.t_stride = static_cast<int>(plan.lora_r2_stride);
       launch_lora_shrink2(lp, plan.lora_shrink2_threads, stream);
-    }
+    };
+    if (lora) shrink_act(act_buf, I, rows, kLoraDown, lora_t2, true);
 
     // 5. A4: a -> NVFP4 values with the FC2 input encode scale.
     if (a4) quantize_fc2_input(act_buf, I, rows, expert_offsets + w.E);
@@ -741,18 +745,7 @@ void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& a
       es1.lora = expand(lora_st1, plan.lora_r2_stride, kLoraSharedGateUp);
       launch_gemm1(plan.gemm_config, sw->format, s.activation, gs1, es1, static_cast<int>(plan.shared_n1_tiles),
                    static_cast<int>(plan.shared_m_tiles), stream);
-      if (lora) {
-        LoraShrink2Params lp;
-        lp.table = lora_table;
-        lp.token_slot = lora_slot;
-        lp.a = shared_act;
-        lp.K = static_cast<int>(Is);
-        lp.rows = tc;
-        lp.which = kLoraSharedDown;
-        lp.t = lora_st2;
-        lp.t_stride = static_cast<int>(plan.lora_r2_stride);
-        launch_lora_shrink2(lp, plan.lora_shrink2_threads, stream);
-      }
+      if (lora) shrink_act(shared_act, Is, tc, kLoraSharedDown, lora_st2, false);
       if (a4) quantize_fc2_input(shared_act, Is, tc, nullptr);
       const GemmProblem gs2 = with_split(dense_problem(shared_act, Is, static_cast<int>(Is), tc, sw->w2), plan.shared_split2);
       Epilogue2Params es2 = epilogue2_for(*sw, shared_out, 1, fc2_scale);
