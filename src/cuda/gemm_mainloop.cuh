@@ -99,16 +99,16 @@ template <class C> struct TileLoader {
     for (int i = 0; i < C::A_CHUNKS; ++i) {
       if (C::BM * 8 < C::THREADS * (i + 1) && tid + i * C::THREADS >= C::BM * 8) break;  // fewer chunks than threads
       const bool ok = a_src[i] != nullptr && kb * C::BK + a_k[i] < K;
-      dev::cp_async16_s(sA + a_dst[i], ok ? static_cast<const void*>(a_src[i] + kb * C::BK) : dummy, ok);
+      dev::cp_async16(sA + a_dst[i], ok ? static_cast<const void*>(a_src[i] + kb * C::BK) : dummy, ok);
     }
 #pragma unroll
     for (int i = 0; i < B_CHUNKS; ++i) {
       const bool ok = b_src[i] != nullptr;
       if (C::B_BYTES / 16 % C::THREADS != 0 && tid + i * C::THREADS >= C::B_BYTES / 16) break;
-      dev::cp_async16_s(sB + (tid + i * C::THREADS) * 16, ok ? b_src[i] + kb * b_stride : dummy, ok);
+      dev::cp_async16(sB + (tid + i * C::THREADS) * 16, ok ? b_src[i] + kb * b_stride : dummy, ok);
     }
     if constexpr (C::FP4) {
-      if (tid < S_CHUNKS) dev::cp_async16_s(sSF + tid * 16, s_src ? s_src + kb * s_stride : dummy, s_src != nullptr);
+      if (tid < S_CHUNKS) dev::cp_async16(sSF + tid * 16, s_src ? s_src + kb * s_stride : dummy, s_src != nullptr);
     }
   }
 };
@@ -164,8 +164,8 @@ template <class Cfg> struct MainLoop {
 #pragma unroll
             for (int q = 0; q < 4; ++q) part[i][j][q] = 0.f;
       }
-      const uint8_t* sA = smem + (kb % C::STAGES) * C::STAGE_BYTES;
-      const uint8_t* sB = sA + C::A_BYTES;
+      const uint32_t sstage = sbase + (kb % C::STAGES) * C::STAGE_BYTES;  // A: ldmatrix's shared-space address
+      const uint8_t* sB = smem + (kb % C::STAGES) * C::STAGE_BYTES + C::A_BYTES;
       const uint8_t* sSF = sB + C::B_BYTES;
 
       // B fragments of this warp for the 4 k16 steps.
@@ -198,7 +198,7 @@ template <class Cfg> struct MainLoop {
         for (int mt = 0; mt < C::MT; ++mt) {
           const int arow = wm * C::WTM + mt * 16 + (lane & 15);
           const int ch = 2 * s + (lane >> 4);
-          dev::ldmatrix_x4(afrag[mt], sA + arow * 128 + ((ch ^ (arow & 7)) << 4));
+          dev::ldmatrix_x4(afrag[mt], sstage + arow * 128 + ((ch ^ (arow & 7)) << 4));
         }
 #pragma unroll
         for (int mt = 0; mt < C::MT; ++mt)

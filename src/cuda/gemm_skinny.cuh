@@ -1,6 +1,7 @@
 // The grouped GEMM for few rows per expert (decode and small batches): the weights are the mma A operand
-// (16 weight rows per warp) and the tokens the B operand (8 per mma), so a tile of up to 32 token rows reads
-// each weight byte once, and the block's many narrow column tiles keep many k-block streams in flight.
+// (one or two groups of 16 weight rows per warp) and the tokens the B operand (8 per mma), so a tile of up to 32
+// token rows reads each weight byte once, and the block's many narrow column tiles keep many k-block streams in
+// flight.
 // Tokens and weights come through the cp.async stages of the mma.sync tile (TileLoader). When the grid is
 // small (decode), the plan splits a tile's K chunks over gridDim.z blocks (kernels.h GemmProblem::split).
 //
@@ -139,7 +140,7 @@ __global__ void __launch_bounds__(Cfg::THREADS) skinny_gemm_kernel(GemmProblem g
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         uint32_t b[4];
-        dev::ldmatrix_x4_s(b, sstage + tok_off[i][h]);
+        dev::ldmatrix_x4(b, sstage + tok_off[i][h]);
 #pragma unroll
         for (int r = 0; r < RG; ++r) {
           dev::mma_bf16_16816(part[i * RG + r], wa[r][2 * h], b);
