@@ -5,13 +5,7 @@
 # in the same call with the ratio table, the plots (one tar), and — on the second GPU's machine — the Python
 # distributed test (extension built in the background). At most 8 files come back; the rest is removed.
 set -u
-OUT=${OUT:-$PWD/final-bench-out}
-mkdir -p "$OUT"
-BIN=${BIN:-build-dev}
-FILTER=${FILTER:-*}
 BUDGET=${BUDGET:-540}
-t0=$(date +%s)
-S="$OUT/0-summary.log"
 . "$(dirname "$0")/lib.sh"
 export PATH=/usr/local/cuda/bin:$PATH NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 header

@@ -4,14 +4,9 @@
 # with the binaries carried in BIN. Writes ncu_T<T>.txt (details page) and src_T<T>.csv (source page of the
 # GEMM kernels: SASS with stall reasons) under $OUT.
 set -u
-OUT=${OUT:-$PWD/ncu-out}
-mkdir -p "$OUT"
-BIN=${BIN:-build-dev}
 TOKENS=${TOKENS:-1 64}
 KERNELS=${KERNELS:-regex:routing|count_kernel|scan_kernel|place_kernel|gemm_kernel|combine_kernel}
 BUDGET=${BUDGET:-400}
-t0=$(date +%s)
-S="$OUT/0-summary.log"
 . "$(dirname "$0")/lib.sh"
 export PATH=/usr/local/cuda/bin:$PATH
 header

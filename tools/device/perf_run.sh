@@ -4,13 +4,7 @@
 # the torch baseline and plots is tools/device/final_bench_run.sh.) Kept in $OUT: 0-summary.log (the
 # important lines), gpu_tests.log, fp4moe.json, fp4moe_bench.log.
 set -u
-OUT=${OUT:-$PWD/perf-run-out}
-mkdir -p "$OUT"
-BIN=${BIN:-build-dev}
-FILTER=${FILTER:-*}
 BUDGET=${BUDGET:-540}
-t0=$(date +%s)
-S="$OUT/0-summary.log"
 . "$(dirname "$0")/lib.sh"
 header
 

@@ -10,13 +10,7 @@
 #   BUDGET   seconds for the whole script (default 520)
 #   FILTER   gtest filter for the GPU tests (default *)
 set -u
-OUT=${OUT:-$PWD/verify-run-out}
-mkdir -p "$OUT"
-BIN=${BIN:-build-dev}
 BUDGET=${BUDGET:-520}
-FILTER=${FILTER:-*}
-t0=$(date +%s)
-S="$OUT/0-summary.log"
 . "$(dirname "$0")/lib.sh"
 header
 export PATH=/usr/local/cuda/bin:$PATH
