@@ -55,6 +55,7 @@ int usage() {
       "  --sets N            input sets (x, logits) rotated between replays (default 3)\n"
       "  --format nvfp4|bf16 expert weight format (default nvfp4)\n"
       "  --no-lora           skip the LoRA rows (eight rank-16 adapters, every token adapted)\n"
+      "  --lora-only         only the LoRA rows (for profiling the LoRA kernels)\n"
       "  --quick             tokens 1,64,1024 and no extra repeats\n"
       "  --json FILE         write the results as JSON\n"
       "  --device N          CUDA device (default 0)\n",
@@ -67,7 +68,7 @@ struct Options {
   std::vector<int64_t> tokens = kDefaultTokens;
   int runs = 50, max_runs = 400, sets = 3, device = 0;
   double min_time_s = 0.05;
-  bool lora = true, quick = false;
+  bool lora = true, base = true, quick = false;
   WeightFormat format = WeightFormat::NVFP4;
   std::string json_path;
 };
@@ -132,6 +133,8 @@ Options parse_options(int argc, char** argv) {
       else throw std::invalid_argument("--format: expected nvfp4 or bf16, got '" + v + "'");
     } else if (a == "--no-lora") {
       o.lora = false;
+    } else if (a == "--lora-only") {
+      o.base = false;
     } else if (a == "--quick") {
       o.quick = true;
     } else if (a == "--json") {
@@ -147,6 +150,7 @@ Options parse_options(int argc, char** argv) {
     if (!max_runs_given) o.max_runs = o.runs;
   }
   o.max_runs = std::max(o.max_runs, o.runs);
+  if (!o.lora && !o.base) throw std::invalid_argument("--no-lora and --lora-only: nothing left to run");
   return o;
 }
 
@@ -884,7 +888,7 @@ int run_bench_cuda(const Options& o) {
         touches.push_back(bench::count_touch(ids, T, s.k, 0, c.E_loc, aids));
       }
       for (bool lora : {false, true}) {
-        if (lora && !o.lora) continue;
+        if (lora ? !o.lora : !o.base) continue;
         const double ref_mem = ceil.copy_gbps, ref_gemm = ceil.gemm_tflops;
         CaseResult r = run_case(d, c, pools, T, lora, o, ws, touches);
         if (r.status == "ok") r.m = bench::derive_metrics(r.median_us, r.weight_bytes + r.lora_bytes, r.io, r.flops, ref_mem, ref_gemm);
