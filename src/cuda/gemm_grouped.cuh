@@ -5,6 +5,7 @@
 
 #include "common/activation.h"
 #include "cuda/gemm_mainloop.cuh"
+#include "cuda/lora_expand.cuh"
 #include "cuda/pdl.cuh"
 
 namespace fp4moe::cuda_backend {
@@ -34,40 +35,11 @@ template <int BM> __device__ __forceinline__ bool resolve_tile(const GemmProblem
 }
 
 
-// The LoRA expand of one output row: its adapter's B_e (rows of length r) and shrink row t; r = 0 when
-// the row has no delta (base token, no such projection, SharedOuter down, or no LoRA in the call).
-struct LoraRow {
-  const uint16_t* B;
-  const float* t;
-  int r;
-};
-__device__ __forceinline__ LoraRow lora_row(const LoraExpandParams& L, int token, int entry, int e, int token_div,
-                                            int N) {
-  LoraRow lr{nullptr, nullptr, 0};
-  if (!L.table) return lr;
-  const int slot = L.token_slot[token];
-  if (slot < 0) return lr;
-  const LoraProj& pj = L.table[slot].proj[L.which];
-  if (pj.r <= 0 || pj.b_shared) return lr;
-  lr.r = pj.r;
-  lr.B = pj.B + static_cast<int64_t>(e) * N * pj.r;
-  lr.t = L.t + static_cast<int64_t>(pj.a_shared ? token * token_div : entry) * L.t_stride;
-  return lr;
-}
-// delta[n] = bf16(sum_i t[i] * B[n][i]), i ascending, fp32 multiply then add (the reference's order);
-// exactly +0 when r = 0. Not unrolled: unrolling made the 128x128 bf16 GEMM1 spill registers in every
-// call, LoRA or not.
-__device__ __forceinline__ float lora_delta(const LoraRow& lr, int n) {
-  float acc = 0.f;
-  const uint16_t* b = lr.B + static_cast<int64_t>(n) * lr.r;
-#pragma unroll 1
-  for (int i = 0; i < lr.r; ++i) acc = __fadd_rn(acc, __fmul_rn(lr.t[i], dev::bf16_to_f32(b[i])));
-  return dev::bf16_to_f32(dev::f32_to_bf16(acc));
-}
-
 // The epilogues work on pairs of adjacent outputs (col even, col + 1) of one row, so that every kernel
 // (the mma.sync tile below, the weights-as-A tile of gemm_skinny.cuh) shares one arithmetic per output:
-// expert_ctx once per tile, row_ctx once per row, pair per two columns (raw fp32 accumulators in).
+// expert_ctx once per tile, row_ctx once per row, pair per two columns (raw fp32 accumulators and the
+// bf16-rounded LoRA deltas of lora_expand.cuh in, +0 deltas without LoRA). cols(p) is the output width
+// and lora_b_row(p, n) the row of the adapter's B that feeds output column n (prepared order -> B's order).
 struct Epilogue1 {
   using Params = Epilogue1Params;
   struct ExpertCtx {
@@ -78,8 +50,15 @@ struct Epilogue1 {
   struct RowCtx {
     int r, entry;
     float a_even, a_odd;
-    LoraRow lr;
   };
+  __device__ __forceinline__ static int cols(const Params& p) { return p.N1; }
+  // Prepared W1 row n of a gated activation is gate row n/2 (even n) or up row n/2 (odd n); B1 keeps the
+  // weights' half order.
+  template <class Act> __device__ __forceinline__ static int lora_b_row(const Params& p, int n) {
+    if constexpr (!kGatedAct<Act>) return n;
+    const int j = n >> 1;
+    return ((n & 1) == 0) == p.gate_first ? j : p.I + j;
+  }
   template <class Act> __device__ __forceinline__ static ExpertCtx expert_ctx(const Params& p, int e) {
     ExpertCtx x;
     x.e = e;
@@ -99,12 +78,11 @@ struct Epilogue1 {
     const float rs = p.row_scale ? p.row_scale[token] : 1.f;
     rc.a_even = __fmul_rn(x.s_even, rs);
     rc.a_odd = __fmul_rn(x.s_odd, rs);
-    rc.lr = lora_row(p.lora, token, rc.entry, x.e, p.token_div, p.N1);
     return rc;
   }
   template <class Act>
   __device__ __forceinline__ static void pair(const Params& p, const ExpertCtx& x, const RowCtx& rc, int col, float c0,
-                                              float c1) {
+                                              float c1, float d0, float d1) {
     if (col >= p.N1) return;
     const int e = x.e, r = rc.r, entry = rc.entry;
     float h0 = __fmul_rn(c0, rc.a_even);
@@ -123,9 +101,9 @@ struct Epilogue1 {
       }
       h0 = __fadd_rn(h0, dg);
       h1 = __fadd_rn(h1, du);
-      // The LoRA delta, always added (+0 for base rows): B1 rows are in the weights' half order.
-      h0 = __fadd_rn(h0, lora_delta(rc.lr, p.gate_first ? j : p.I + j));
-      h1 = __fadd_rn(h1, lora_delta(rc.lr, p.gate_first ? p.I + j : j));
+      // The LoRA delta, always added (+0 for base rows).
+      h0 = __fadd_rn(h0, d0);
+      h1 = __fadd_rn(h1, d1);
       const uint16_t a = dev::f32_to_bf16(Act::apply(h0, h1, x.prm));
       p.out[static_cast<int64_t>(r) * p.I + j] = a;
       if (p.act_out) p.act_out[static_cast<int64_t>(entry) * p.I + j] = a;
@@ -138,8 +116,8 @@ struct Epilogue1 {
       }
       h0 = __fadd_rn(h0, d0);
       h1 = __fadd_rn(h1, d1);
-      h0 = __fadd_rn(h0, lora_delta(rc.lr, col));
-      h1 = __fadd_rn(h1, lora_delta(rc.lr, col + 1));
+      h0 = __fadd_rn(h0, d0);
+      h1 = __fadd_rn(h1, d1);
       const uint32_t a = static_cast<uint32_t>(dev::f32_to_bf16(Act::apply(h0, 0.f, x.prm))) |
                          (static_cast<uint32_t>(dev::f32_to_bf16(Act::apply(h1, 0.f, x.prm))) << 16);
       *reinterpret_cast<uint32_t*>(p.out + static_cast<int64_t>(r) * p.I + col) = a;
@@ -159,18 +137,18 @@ struct Epilogue2 {
   };
   struct RowCtx {
     float* orow;
-    LoraRow lr;
   };
+  __device__ __forceinline__ static int cols(const Params& p) { return p.H; }
+  template <class Act> __device__ __forceinline__ static int lora_b_row(const Params&, int n) { return n; }
   template <class Act> __device__ __forceinline__ static ExpertCtx expert_ctx(const Params& p, int e) {
     return ExpertCtx{__fmul_rn(p.s2[e], p.in_scale), e};
   }
   __device__ __forceinline__ static RowCtx row_ctx(const Params& p, const GemmProblem& g, const ExpertCtx& x, int r) {
-    const int entry = entry_of(g, r);
-    return RowCtx{p.out + static_cast<int64_t>(entry) * p.H, lora_row(p.lora, entry / p.token_div, entry, x.e, p.token_div, p.H)};
+    return RowCtx{p.out + static_cast<int64_t>(entry_of(g, r)) * p.H};
   }
   template <class Act>
   __device__ __forceinline__ static void pair(const Params& p, const ExpertCtx& x, const RowCtx& rc, int col, float c0,
-                                              float c1) {
+                                              float c1, float d0, float d1) {
     if (col >= p.H) return;
     float o0 = __fmul_rn(c0, x.s);
     float o1 = __fmul_rn(c1, x.s);
@@ -179,31 +157,71 @@ struct Epilogue2 {
       o1 = __fadd_rn(o1, p.bias[static_cast<int64_t>(x.e) * p.H + col + 1]);
     }
     // The down LoRA delta, always added (+0 for base rows, which turns -0 into +0 as the reference).
-    *reinterpret_cast<float2*>(rc.orow + col) =
-        make_float2(__fadd_rn(o0, lora_delta(rc.lr, col)), __fadd_rn(o1, lora_delta(rc.lr, col + 1)));
+    *reinterpret_cast<float2*>(rc.orow + col) = make_float2(__fadd_rn(o0, d0), __fadd_rn(o1, d1));
   }
 };
 
 // The epilogue of one mma.sync block tile: thread (lane) holds acc[mt][nt][2*half + {0,1}] = output
-// (row wm*WTM + mt*16 + lane/4 + 8*half, columns wn*WTN + nt*8 + 2*(lane%4) + {0,1}).
+// (row wm*WTM + mt*16 + lane/4 + 8*half, columns wn*WTN + nt*8 + 2*(lane%4) + {0,1}). The LoRA delta of each
+// m16n8 fragment has the same layout: tokens' t rows as the A operand, B_e rows (one per column) as B.
 template <class Cfg, class Epi, class Act>
 __device__ __forceinline__ void tile_epilogue(const typename Epi::Params& p, const GemmProblem& g,
                                               const MainLoop<Cfg>& ml, const TileRows& tr, int n0) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gq = lane >> 2, t = lane & 3;
   const int wm = warp / Cfg::WARPS_N, wn = warp % Cfg::WARPS_N;
+  const int N = Epi::cols(p);
   const auto x = Epi::template expert_ctx<Act>(p, tr.expert);
 #pragma unroll
-  for (int mt = 0; mt < Cfg::MT; ++mt)
+  for (int mt = 0; mt < Cfg::MT; ++mt) {
+    typename Epi::RowCtx rc[2];
+    dev::LoraRowRef rr[2];
+    bool valid[2];
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const int r = tr.row0 + wm * Cfg::WTM + mt * 16 + (lane >> 2) + half * 8;
-      if (r >= tr.row_end) continue;
-      const auto rc = Epi::row_ctx(p, g, x, r);
-#pragma unroll
-      for (int nt = 0; nt < Cfg::NT; ++nt)
-        Epi::template pair<Act>(p, x, rc, n0 + wn * Cfg::WTN + nt * 8 + 2 * (lane & 3), ml.acc[mt][nt][2 * half],
-                                ml.acc[mt][nt][2 * half + 1]);
+      const int r = tr.row0 + wm * Cfg::WTM + mt * 16 + gq + half * 8;
+      valid[half] = r < tr.row_end;
+      if (!valid[half]) continue;
+      rc[half] = Epi::row_ctx(p, g, x, r);
+      if (p.lora.table) {
+        const int entry = entry_of(g, r);
+        rr[half] = dev::lora_row_ref(p.lora, entry / p.token_div, entry, p.token_div);
+      }
     }
+#pragma unroll
+    for (int nt = 0; nt < Cfg::NT; ++nt) {
+      const int col = n0 + wn * Cfg::WTN + nt * 8 + 2 * t;
+      float dl[4] = {0.f, 0.f, 0.f, 0.f};
+      if (p.lora.table) {
+        const int n = n0 + wn * Cfg::WTN + nt * 8 + gq;  // this lane's B column
+        dev::for_each_slot(rr[0].slot, rr[1].slot, [&](int s) {
+          const LoraProj& pj = p.lora.table[s].proj[p.lora.which];
+          const int rk = pj.r;
+          const uint16_t* brow =
+              n < N ? pj.B + (static_cast<int64_t>(tr.expert) * N + Epi::template lora_b_row<Act>(p, n)) * rk : nullptr;
+          float d[4];
+          dev::lora_mma(
+              d, rk,
+              [&](int k0, uint32_t a[4]) {
+                a[0] = dev::lora_t_pair(rr[0].t, rk, k0 + 2 * t);
+                a[1] = dev::lora_t_pair(rr[1].t, rk, k0 + 2 * t);
+                a[2] = dev::lora_t_pair(rr[0].t, rk, k0 + 2 * t + 8);
+                a[3] = dev::lora_t_pair(rr[1].t, rk, k0 + 2 * t + 8);
+              },
+              [&](int k0, uint32_t b[2]) {
+                b[0] = dev::lora_b_pair(brow, rk, k0 + 2 * t);
+                b[1] = dev::lora_b_pair(brow, rk, k0 + 2 * t + 8);
+              });
+          if (rr[0].slot == s) { dl[0] = dev::round_to_bf16(d[0]); dl[1] = dev::round_to_bf16(d[1]); }
+          if (rr[1].slot == s) { dl[2] = dev::round_to_bf16(d[2]); dl[3] = dev::round_to_bf16(d[3]); }
+        });
+      }
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+        if (valid[half])
+          Epi::template pair<Act>(p, x, rc[half], col, ml.acc[mt][nt][2 * half], ml.acc[mt][nt][2 * half + 1],
+                                  dl[2 * half], dl[2 * half + 1]);
+    }
+  }
 }
 
 template <class Cfg, class Epi, class Act>

@@ -194,28 +194,73 @@ __global__ void __launch_bounds__(Cfg::THREADS) skinny_gemm_kernel(GemmProblem g
       for (int q = 0; q < 4; ++q) acc[a][q] *= nvfp4_prepared::kProductScale;
   }
 
-  // Thread (g, t) holds out(token 2t + {0,1} of group i, weight rows n0 + 16r + g and + 8). The epilogue takes
-  // column pairs (even, odd) of one row: row g + 1's values come from lane + 4.
-  float nb[ACCS][4];
-#pragma unroll
-  for (int a = 0; a < ACCS; ++a)
-#pragma unroll
-    for (int q = 0; q < 4; ++q) nb[a][q] = __shfl_down_sync(0xffffffffu, acc[a][q], 4);
-  if (gq & 1) return;
+  // Thread (g, t) holds out(token 2t + {0,1} of group i, weight rows n0 + 16r + g and + 8), and the LoRA delta of
+  // the same fragment (lora_expand.cuh; here B_e rows are the A operand, the tokens' t rows the B operand). The
+  // epilogue takes column pairs (even, odd) of one row: row g + 1's values come from lane + 4.
   const auto x = Epi::template expert_ctx<Act>(ep, tr.expert);
+  const int N = Epi::cols(ep);
 #pragma unroll
   for (int i = 0; i < GROUPS; ++i) {
     if (i >= groups) break;
+    float dl[RG][4];
 #pragma unroll
-    for (int tk = 0; tk < 2; ++tk) {
-      const int row = tr.row0 + i * 8 + 2 * t + tk;
-      if (row >= tr.row_end) continue;
-      const auto rc = Epi::row_ctx(ep, g, x, row);
+    for (int r = 0; r < RG; ++r) dl[r][0] = dl[r][1] = dl[r][2] = dl[r][3] = 0.f;
+    if (ep.lora.table) {
+      dev::LoraRowRef rr;  // this lane's B column: token gq of the group
+      const int crow = tr.row0 + i * 8 + gq;
+      if (crow < tr.row_end) {
+        const int entry = entry_of(g, crow);
+        rr = dev::lora_row_ref(ep.lora, entry / ep.token_div, entry, ep.token_div);
+      }
+      const int sel0 = __shfl_sync(0xffffffffu, rr.slot, 8 * t), sel1 = __shfl_sync(0xffffffffu, rr.slot, 8 * t + 4);
+      dev::for_each_slot(rr.slot, -1, [&](int s) {
+        const LoraProj& pj = ep.lora.table[s].proj[ep.lora.which];
+        const int rk = pj.r;
+        const uint16_t* B = pj.B + static_cast<int64_t>(tr.expert) * N * rk;
 #pragma unroll
-      for (int r = 0; r < RG; ++r) {
-        const int a = i * RG + r;
-        Epi::template pair<Act>(ep, x, rc, n0 + 16 * r + gq, acc[a][tk], nb[a][tk]);
-        Epi::template pair<Act>(ep, x, rc, n0 + 16 * r + gq + 8, acc[a][2 + tk], nb[a][2 + tk]);
+        for (int r = 0; r < RG; ++r) {
+          const int na = n0 + 16 * r + gq, nb8 = na + 8;
+          const uint16_t* ba = na < N ? B + static_cast<int64_t>(Epi::template lora_b_row<Act>(ep, na)) * rk : nullptr;
+          const uint16_t* bb = nb8 < N ? B + static_cast<int64_t>(Epi::template lora_b_row<Act>(ep, nb8)) * rk : nullptr;
+          float d[4];
+          dev::lora_mma(
+              d, rk,
+              [&](int k0, uint32_t a[4]) {
+                a[0] = dev::lora_b_pair(ba, rk, k0 + 2 * t);
+                a[1] = dev::lora_b_pair(bb, rk, k0 + 2 * t);
+                a[2] = dev::lora_b_pair(ba, rk, k0 + 2 * t + 8);
+                a[3] = dev::lora_b_pair(bb, rk, k0 + 2 * t + 8);
+              },
+              [&](int k0, uint32_t b[2]) {
+                b[0] = dev::lora_t_pair(rr.t, rk, k0 + 2 * t);
+                b[1] = dev::lora_t_pair(rr.t, rk, k0 + 2 * t + 8);
+              });
+          if (sel0 == s) { dl[r][0] = dev::round_to_bf16(d[0]); dl[r][2] = dev::round_to_bf16(d[2]); }
+          if (sel1 == s) { dl[r][1] = dev::round_to_bf16(d[1]); dl[r][3] = dev::round_to_bf16(d[3]); }
+        }
+      });
+    }
+    float nb[RG][4], dn[RG][4];
+#pragma unroll
+    for (int r = 0; r < RG; ++r)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        nb[r][q] = __shfl_down_sync(0xffffffffu, acc[i * RG + r][q], 4);
+        dn[r][q] = __shfl_down_sync(0xffffffffu, dl[r][q], 4);
+      }
+    if ((gq & 1) == 0) {  // no early exit: the next group's expand needs every lane converged
+#pragma unroll
+      for (int tk = 0; tk < 2; ++tk) {
+        const int row = tr.row0 + i * 8 + 2 * t + tk;
+        if (row >= tr.row_end) continue;
+        const auto rc = Epi::row_ctx(ep, g, x, row);
+#pragma unroll
+        for (int r = 0; r < RG; ++r) {
+          const int a = i * RG + r;
+          Epi::template pair<Act>(ep, x, rc, n0 + 16 * r + gq, acc[a][tk], nb[r][tk], dl[r][tk], dn[r][tk]);
+          Epi::template pair<Act>(ep, x, rc, n0 + 16 * r + gq + 8, acc[a][2 + tk], nb[r][2 + tk], dl[r][2 + tk],
+                                  dn[r][2 + tk]);
+        }
       }
     }
   }

@@ -70,8 +70,8 @@ struct LoraSlot {
 };
 static_assert(sizeof(LoraProj) == 32 && sizeof(LoraSlot) == 160, "LoraSlot layout");
 
-// The expand of one GEMM epilogue: delta[n] = bf16(sum_i t[row][i] * B_e[n][i]), i in slot order, fp32
-// multiply then add (as the reference's small_matvec), added to every output (+0 without LoRA).
+// The expand of one GEMM epilogue: delta[n] = bf16(sum_i t[row][i] * B_e[n][i]), fp32 sums of k16 mma steps
+// (lora_expand.cuh), added to every output (+0 without LoRA).
 struct LoraExpandParams {
   const LoraSlot* table = nullptr;      // null: no LoRA in this call
   const int32_t* token_slot = nullptr;  // [chunk tokens] checked slot, -1 = base

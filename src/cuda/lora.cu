@@ -1,5 +1,5 @@
 // Multi-LoRA shrink kernels (SPEC §5). The expand half runs inside the GEMM epilogues
-// (gemm_grouped.cuh: lora_row / lora_delta) and, for SharedOuter's down projection, in the combine:
+// (lora_expand.cuh, on the tensor cores) and, for SharedOuter's down projection, in the combine:
 // no [T, k, 2I] delta ever goes through memory. Each shrink output is one warp's dot product in a fixed
 // order (lanes stride over 8-element chunks, then a butterfly), so it depends on its own row only: a
 // token's bits never depend on the other tokens or on their adapters.
