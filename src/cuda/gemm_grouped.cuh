@@ -82,7 +82,7 @@ struct Epilogue1 {
   }
   template <class Act>
   __device__ __forceinline__ static void pair(const Params& p, const ExpertCtx& x, const RowCtx& rc, int col, float c0,
-                                              float c1, float d0, float d1) {
+                                              float c1, float l0, float l1) {
     if (col >= p.N1) return;
     const int e = x.e, r = rc.r, entry = rc.entry;
     float h0 = __fmul_rn(c0, rc.a_even);
@@ -102,8 +102,8 @@ struct Epilogue1 {
       h0 = __fadd_rn(h0, dg);
       h1 = __fadd_rn(h1, du);
       // The LoRA delta, always added (+0 for base rows).
-      h0 = __fadd_rn(h0, d0);
-      h1 = __fadd_rn(h1, d1);
+      h0 = __fadd_rn(h0, l0);
+      h1 = __fadd_rn(h1, l1);
       const uint16_t a = dev::f32_to_bf16(Act::apply(h0, h1, x.prm));
       p.out[static_cast<int64_t>(r) * p.I + j] = a;
       if (p.act_out) p.act_out[static_cast<int64_t>(entry) * p.I + j] = a;
@@ -116,8 +116,8 @@ struct Epilogue1 {
       }
       h0 = __fadd_rn(h0, d0);
       h1 = __fadd_rn(h1, d1);
-      h0 = __fadd_rn(h0, d0);
-      h1 = __fadd_rn(h1, d1);
+      h0 = __fadd_rn(h0, l0);
+      h1 = __fadd_rn(h1, l1);
       const uint32_t a = static_cast<uint32_t>(dev::f32_to_bf16(Act::apply(h0, 0.f, x.prm))) |
                          (static_cast<uint32_t>(dev::f32_to_bf16(Act::apply(h1, 0.f, x.prm))) << 16);
       *reinterpret_cast<uint32_t*>(p.out + static_cast<int64_t>(r) * p.I + col) = a;
@@ -148,7 +148,7 @@ struct Epilogue2 {
   }
   template <class Act>
   __device__ __forceinline__ static void pair(const Params& p, const ExpertCtx& x, const RowCtx& rc, int col, float c0,
-                                              float c1, float d0, float d1) {
+                                              float c1, float l0, float l1) {
     if (col >= p.H) return;
     float o0 = __fmul_rn(c0, x.s);
     float o1 = __fmul_rn(c1, x.s);
@@ -157,7 +157,7 @@ struct Epilogue2 {
       o1 = __fadd_rn(o1, p.bias[static_cast<int64_t>(x.e) * p.H + col + 1]);
     }
     // The down LoRA delta, always added (+0 for base rows, which turns -0 into +0 as the reference).
-    *reinterpret_cast<float2*>(rc.orow + col) = make_float2(__fadd_rn(o0, d0), __fadd_rn(o1, d1));
+    *reinterpret_cast<float2*>(rc.orow + col) = make_float2(__fadd_rn(o0, l0), __fadd_rn(o1, l1));
   }
 };
 

@@ -3,6 +3,8 @@
 // no [T, k, 2I] delta ever goes through memory. Each shrink output is one warp's dot product in a fixed
 // order (lanes stride over 8-element chunks, then a butterfly), so it depends on its own row only: a
 // token's bits never depend on the other tokens or on their adapters.
+#include <algorithm>
+
 #include "cuda/kernels.h"
 #include "cuda/nvfp4_device.cuh"
 
@@ -39,12 +41,13 @@ __global__ void lora_shrink1_kernel(LoraShrink1Params p) {
   const int t = static_cast<int>(blockIdx.x);
   __shared__ int s_slot;
   if (threadIdx.x == 0) {
-    // The only place adapter_ids are read: anything but -1 or a loaded slot is dropped (base) and flagged.
+    // The only place adapter_ids are read: anything but -1 or a loaded slot is dropped (base) and flagged (by the
+    // token's first block, which also publishes the slot).
     const int id = p.adapter_ids[t];
     int slot = -1;
     if (id >= 0 && id < p.num_slots && p.table[id].loaded) slot = id;
-    else if (id != -1) atomicExch(p.error_flag, kErrAdapterIds);
-    p.token_slot[t] = slot;
+    else if (id != -1 && blockIdx.y == 0) atomicExch(p.error_flag, kErrAdapterIds);
+    if (blockIdx.y == 0) p.token_slot[t] = slot;
     s_slot = slot;
   }
   __syncthreads();
@@ -55,8 +58,9 @@ __global__ void lora_shrink1_kernel(LoraShrink1Params p) {
   const uint16_t* x = p.x + static_cast<int64_t>(t) * p.H;
   const int n_routed = gu.r > 0 ? (gu.a_shared ? 1 : p.k) * gu.r : 0;
   const int n_total = n_routed + (sg.r > 0 ? sg.r : 0);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  for (int o = warp; o < n_total; o += nwarps) {  // o is warp-uniform
+  const int lane = threadIdx.x & 31, nwarps = (blockDim.x >> 5) * gridDim.y;
+  const int warp = static_cast<int>(blockIdx.y) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  for (int o = warp; o < n_total; o += nwarps) {  // o is warp-uniform; the token's blocks share its outputs
     const uint16_t* arow;
     float* dst;
     if (o < n_routed) {
@@ -105,7 +109,8 @@ __global__ void lora_shrink2_kernel(LoraShrink2Params p) {
 
 void launch_lora_shrink1(const LoraShrink1Params& p, int threads, cudaStream_t stream) {
   if (p.T <= 0) return;
-  lora_shrink1_kernel<<<static_cast<unsigned>(p.T), threads, 0, stream>>>(p);
+  const int warps = threads / 32, per_token = std::max(1, (p.max_outputs + warps - 1) / warps);
+  lora_shrink1_kernel<<<dim3(static_cast<unsigned>(p.T), static_cast<unsigned>(per_token)), threads, 0, stream>>>(p);
   check_launch("lora_shrink1_kernel");
 }
 
