@@ -187,17 +187,20 @@ __device__ __forceinline__ void tile_epilogue(const typename Epi::Params& p, con
         rr[half] = dev::lora_row_ref(p.lora, entry / p.token_div, entry, p.token_div);
       }
     }
+    // The LoRA deltas of the warp's 16 x WTN outputs of this mt: one pass per adapter present in the 16 rows.
+    float dl[Cfg::NT][4];
 #pragma unroll
-    for (int nt = 0; nt < Cfg::NT; ++nt) {
-      const int col = n0 + wn * Cfg::WTN + nt * 8 + 2 * t;
-      float dl[4] = {0.f, 0.f, 0.f, 0.f};
-      if (p.lora.table) {
-        const int n = n0 + wn * Cfg::WTN + nt * 8 + gq;  // this lane's B column
-        dev::for_each_slot(rr[0].slot, rr[1].slot, [&](int s) {
-          const LoraProj& pj = p.lora.table[s].proj[p.lora.which];
-          const int rk = pj.r;
-          const uint16_t* brow =
-              n < N ? pj.B + (static_cast<int64_t>(tr.expert) * N + Epi::template lora_b_row<Act>(p, n)) * rk : nullptr;
+    for (int nt = 0; nt < Cfg::NT; ++nt) dl[nt][0] = dl[nt][1] = dl[nt][2] = dl[nt][3] = 0.f;
+    if (p.lora.table) {
+      const int keys[2] = {rr[0].slot, rr[1].slot};
+      dev::for_each_slot(keys, [&](int s) {
+        const LoraProj& pj = p.lora.table[s].proj[p.lora.which];
+        const int rk = pj.r;
+        const uint16_t* B = pj.B + static_cast<int64_t>(tr.expert) * N * rk;
+#pragma unroll
+        for (int nt = 0; nt < Cfg::NT; ++nt) {
+          const int n = n0 + wn * Cfg::WTN + nt * 8 + gq;  // this lane's B column
+          const uint16_t* brow = n < N ? B + static_cast<int64_t>(Epi::template lora_b_row<Act>(p, n)) * rk : nullptr;
           float d[4];
           dev::lora_mma(
               d, rk,
@@ -211,15 +214,19 @@ __device__ __forceinline__ void tile_epilogue(const typename Epi::Params& p, con
                 b[0] = dev::lora_b_pair(brow, rk, k0 + 2 * t);
                 b[1] = dev::lora_b_pair(brow, rk, k0 + 2 * t + 8);
               });
-          if (rr[0].slot == s) { dl[0] = dev::round_to_bf16(d[0]); dl[1] = dev::round_to_bf16(d[1]); }
-          if (rr[1].slot == s) { dl[2] = dev::round_to_bf16(d[2]); dl[3] = dev::round_to_bf16(d[3]); }
-        });
-      }
+          if (rr[0].slot == s) { dl[nt][0] = dev::round_to_bf16(d[0]); dl[nt][1] = dev::round_to_bf16(d[1]); }
+          if (rr[1].slot == s) { dl[nt][2] = dev::round_to_bf16(d[2]); dl[nt][3] = dev::round_to_bf16(d[3]); }
+        }
+      });
+    }
+#pragma unroll
+    for (int nt = 0; nt < Cfg::NT; ++nt) {
+      const int col = n0 + wn * Cfg::WTN + nt * 8 + 2 * t;
 #pragma unroll
       for (int half = 0; half < 2; ++half)
         if (valid[half])
           Epi::template pair<Act>(p, x, rc[half], col, ml.acc[mt][nt][2 * half], ml.acc[mt][nt][2 * half + 1],
-                                  dl[2 * half], dl[2 * half + 1]);
+                                  dl[nt][2 * half], dl[nt][2 * half + 1]);
     }
   }
 }

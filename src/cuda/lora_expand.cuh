@@ -51,12 +51,15 @@ __device__ __forceinline__ uint32_t lora_b_pair(const uint16_t* b, int r, int k)
   return static_cast<uint32_t>(b[k]) | (k + 1 < r ? static_cast<uint32_t>(b[k + 1]) << 16 : 0u);
 }
 
-// Calls f(s) once for each slot among the warp's keys (two per lane, -1 for none), in ascending order; f runs
-// warp-uniformly (every lane, same s), so it may use mma.sync.
-template <class F> __device__ __forceinline__ void for_each_slot(int key0, int key1, F&& f) {
+// Calls f(s) once for each slot among the warp's keys (N per lane, -1 for none), in ascending order; f runs
+// warp-uniformly (every lane, same s), so it may use mma.sync. Each iteration is a chain of dependent loads
+// (slot table, B, t): callers run it once per tile or fragment row block, not per output.
+template <int N, class F> __device__ __forceinline__ void for_each_slot(const int (&keys)[N], F&& f) {
   for (int last = -1;;) {
-    const int a = key0 > last ? key0 : INT_MAX, b = key1 > last ? key1 : INT_MAX;
-    const int s = __reduce_min_sync(0xffffffffu, a < b ? a : b);
+    int m = INT_MAX;
+#pragma unroll
+    for (int i = 0; i < N; ++i) m = keys[i] > last && keys[i] < m ? keys[i] : m;
+    const int s = __reduce_min_sync(0xffffffffu, m);
     if (s == INT_MAX) return;
     f(s);
     last = s;
