@@ -135,12 +135,11 @@ constexpr int64_t kMaxLoraRank = 64;              // an adapter's r (SPEC §5)
 constexpr int64_t kKChunk = 512;
 constexpr int64_t kSplitTargetBlocks = 264;
 
-constexpr int kNumGemmConfigs = 4;
+constexpr int kNumGemmConfigs = 3;
 inline constexpr GemmConfig kGemmConfigs[kNumGemmConfigs] = {
     {8, 128, 64, 1, 4, 8, true},   // decode: <= 8 rows per expert tile, 32 weight rows a warp, many bytes in flight
     {32, 128, 64, 1, 4, 6, true},  // small batches: <= 32 rows per expert tile, weights read once
-    {64, 128, 64, 2, 4, 3},        // medium
-    {128, 128, 64, 2, 4, 3},       // prefill
+    {64, 128, 64, 2, 4, 3},        // medium and prefill (a 128-row tile ran 1 block an SM at 244 registers: slower)
 };
 
 // Throws Error(InvalidArgument/Unsupported) naming the argument for shapes the kernels cannot take.

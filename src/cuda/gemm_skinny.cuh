@@ -85,6 +85,21 @@ __global__ void __launch_bounds__(Cfg::THREADS) skinny_gemm_kernel(GemmProblem g
     dev::cp_async_commit();
   }
 
+  if (ep.lora.table) {  // the LoRA B rows of the warp's weight rows, for every adapter of the tile's tokens
+    int keys[GROUPS];
+#pragma unroll
+    for (int i = 0; i < GROUPS; ++i) {
+      const int crow = tr.row0 + i * 8 + gq;
+      keys[i] = -1;
+      if (i < groups && crow < tr.row_end) {
+        const int entry = entry_of(g, crow);
+        keys[i] = dev::lora_row_ref(ep.lora, entry / ep.token_div, entry, ep.token_div).slot;
+      }
+    }
+    dev::lora_prefetch(ep.lora, keys, tr.expert, Epi::cols(ep), n0 + (lane & (16 * RG - 1)),
+                       [&](int n) { return Epi::template lora_b_row<Act>(ep, n); });
+  }
+
   // Split-K: this block's chunk sums go to partials[tile][chunk][thread] (tile = blockIdx.x, y).
   const int chunks = (KB + kChunkBlocks - 1) / kChunkBlocks;
   const int64_t tile_lin = static_cast<int64_t>(blockIdx.x) * gridDim.y + blockIdx.y;

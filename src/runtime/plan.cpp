@@ -102,7 +102,7 @@ MoePlan make_plan(const ProblemShape& shape) {
   // GEMM tile: by the expected rows per expert (any choice gives the same bits: every tile follows the same
   // K order, split or not, so the choice may depend on T without breaking batch invariance).
   const int64_t avg_rows = ceil_div(p.rows, s.E_loc);
-  p.gemm_config = avg_rows <= 6 ? 0 : (avg_rows <= 24 ? 1 : (avg_rows <= 64 ? 2 : 3));
+  p.gemm_config = avg_rows <= 6 ? 0 : (avg_rows <= 24 ? 1 : 2);
   p.gemm = kGemmConfigs[p.gemm_config];
   const GemmConfig& g = p.gemm;
   p.k1_pad = round_up(H, g.bk);
