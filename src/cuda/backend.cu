@@ -670,6 +670,11 @@ void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& a
     pp.zero_counters = split_counters;
     pp.num_counters = static_cast<int>(plan.split_counters.bytes / 4);
     launch_permute(pp, stream);
+    if (lora && rows > w.E) {  // more rows than experts: tiles with several tokens, worth grouping by adapter
+      pp.token_slot = lora_slot;
+      pp.k = static_cast<int>(k);
+      launch_order_by_adapter(pp, stream);
+    }
 
     // 4. GEMM1 over the routed rows.
     uint16_t* act_out = nullptr;

@@ -240,21 +240,6 @@ __global__ void __launch_bounds__(Cfg::THREADS) grouped_gemm_kernel(GemmProblem 
   if (!resolve_tile<Cfg::BM>(g, tr)) return;
   const int n0 = static_cast<int>(blockIdx.y) * Cfg::BN;
 
-  if (ep.lora.table) {  // the LoRA B rows of the warp's columns, for every adapter of its rows
-    const int lane = threadIdx.x & 31, wm = (threadIdx.x >> 5) / Cfg::WARPS_N, wn = (threadIdx.x >> 5) % Cfg::WARPS_N;
-    int keys[2 * Cfg::MT];
-#pragma unroll
-    for (int q = 0; q < 2 * Cfg::MT; ++q) {
-      const int r = tr.row0 + wm * Cfg::WTM + q * 8 + (lane >> 2);
-      keys[q] = -1;
-      if (r < tr.row_end) {
-        const int entry = entry_of(g, r);
-        keys[q] = dev::lora_row_ref(ep.lora, entry / ep.token_div, entry, ep.token_div).slot;
-      }
-    }
-    dev::lora_prefetch(ep.lora, keys, tr.expert, Epi::cols(ep), n0 + wn * Cfg::WTN + lane % Cfg::WTN,
-                       [&](int n) { return Epi::template lora_b_row<Act>(ep, n); });
-  }
   const TileLoader<Cfg> ld(g, tr, tr.expert, n0);
   MainLoop<Cfg> ml;
   ml.run(smem, ld, static_cast<int>(g.B.Kp / Cfg::BK));

@@ -145,6 +145,8 @@ struct PermuteParams {
   int* error_flag = nullptr;
   int32_t* zero_counters = nullptr;   // [num_counters] split-K counters, zeroed by the one-block kernel
   int num_counters = 0;
+  const int32_t* token_slot = nullptr;  // LoRA: each token's slot (order_by_adapter), k entries a token
+  int k = 1;
 };
 
 // A grouped GEMM: C[r, :] = A[row(r), :] . B_e^T for the rows r of each tile; see gemm_grouped.cuh.
@@ -228,6 +230,8 @@ struct CombineParams {
 // ---- launchers (all on `stream`, each checked) ---------------------------------------------------
 void launch_routing(const RoutingParams& p, int warps_per_block, size_t smem, cudaStream_t stream);
 void launch_permute(const PermuteParams& p, cudaStream_t stream);
+// After launch_permute, with LoRA: each expert's rows sorted by (adapter slot, entry) (permute.cu).
+void launch_order_by_adapter(const PermuteParams& p, cudaStream_t stream);
 void launch_gemm1(int config, WeightFormat fmt, ActivationType act, const GemmProblem& g, const Epilogue1Params& e,
                   int n_tiles, int m_tiles, cudaStream_t stream);
 void launch_gemm2(int config, WeightFormat fmt, const GemmProblem& g, const Epilogue2Params& e, int n_tiles,

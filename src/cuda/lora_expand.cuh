@@ -78,21 +78,6 @@ template <class AF, class BF> __device__ __forceinline__ void lora_mma(float d[4
   }
 }
 
-// Before the main loop: each slot among the warp's keys gets its B rows of output columns n (one per lane; row_of
-// maps a column to its B row) prefetched to L2, so that the epilogue's expand, a chain of dependent loads per
-// slot, finds them there rather than in DRAM.
-template <int NK, class RowOf>
-__device__ __forceinline__ void lora_prefetch(const LoraExpandParams& L, const int (&keys)[NK], int e, int cols, int n,
-                                              RowOf&& row_of) {
-  for_each_slot(keys, [&](int s) {
-    const LoraProj& pj = L.table[s].proj[L.which];
-    if (n >= cols) return;
-    const uint16_t* b = pj.B + (static_cast<int64_t>(e) * cols + row_of(n)) * pj.r;
-    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(b));
-    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(b + pj.r - 1));
-  });
-}
-
 __device__ __forceinline__ float round_to_bf16(float v) { return bf16_to_f32(f32_to_bf16(v)); }
 
 }  // namespace fp4moe::cuda_backend::dev

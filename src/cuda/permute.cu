@@ -4,6 +4,9 @@
 //   3. place: each block walks its entries in order and gives entry i of expert e the next row of e,
 //      so rows of an expert are in (token, slot) order whatever the scheduling.
 // A chunk of one block's entries runs the three steps in one kernel (permute_one_block_kernel).
+// With LoRA, order_by_adapter_kernel then sorts each expert's rows by (adapter slot, entry), so that a GEMM tile's
+// 8- or 16-row fragments hold few adapters (the epilogue's expand makes one pass per adapter of a fragment). A row's
+// result does not depend on its position, so the order changes no bits.
 // Ids outside [0, E_total) are dropped and raise the device error flag (never an out-of-bounds access).
 #include "cuda/kernels.h"
 #include "cuda/pdl.cuh"
@@ -185,7 +188,37 @@ __global__ void place_kernel(PermuteParams p) {
   place_entries(p, next, begin, min(begin + p.entries_per_block, p.rows));
 }
 
+// One block per local expert: its rows [offs[e], offs[e+1]) re-ordered by (token slot, entry); the rank of a row is
+// the number of rows before it in that order (a segment of more than kMaxOrderRows rows keeps its entry order).
+constexpr int kMaxOrderRows = 2048;
+__global__ void __launch_bounds__(256) order_by_adapter_kernel(PermuteParams p) {
+  dev::pdl_wait();
+  dev::pdl_launch_dependents();
+  __shared__ int s_entry[kMaxOrderRows], s_key[kMaxOrderRows];
+  const int e = static_cast<int>(blockIdx.x);
+  const int lo = p.expert_offsets[e], n = p.expert_offsets[e + 1] - lo;
+  if (n <= 1 || n > kMaxOrderRows) return;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    const int entry = p.row_entry[lo + i];
+    s_entry[i] = entry;
+    s_key[i] = p.token_slot[entry / p.k];  // -1 (base) first
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    const int key = s_key[i];
+    int rank = 0;
+    for (int j = 0; j < n; ++j) rank += s_key[j] < key || (s_key[j] == key && j < i);
+    p.row_entry[lo + rank] = s_entry[i];
+  }
+}
+
 }  // namespace
+
+void launch_order_by_adapter(const PermuteParams& p, cudaStream_t stream) {
+  if (p.rows <= 0 || !p.token_slot) return;
+  launch_pdl(order_by_adapter_kernel, dim3(static_cast<unsigned>(p.E_loc)), dim3(256), 0, stream,
+             "order_by_adapter_kernel", p);
+}
 
 void launch_permute(const PermuteParams& p, cudaStream_t stream) {
   if (p.rows <= 0) return;
