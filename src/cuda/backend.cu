@@ -474,7 +474,7 @@ void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& a
       if (sw && a->has_shared && (a->s_I != sw->I || a->s_N1 != sw->N1))
         throw Error(ErrorCode::InvalidArgument, "adapters", slot + ": its shared-expert LoRA does not match the shared expert");
       max_rank = std::max(max_rank, a->rank);
-      const int64_t routed = a->has_gate_up && a->a1_shared ? a->r1 : 0;  // per-expert A1: the routed kernel
+      const int64_t routed = a->has_gate_up ? (a->a1_shared ? 1 : args.routing.top_k) * a->r1 : 0;
       max_shrink1_outputs = std::max(max_shrink1_outputs, routed + (sw && a->has_shared && a->s_has_gate_up ? a->s_r : 0));
     }
   }
@@ -633,10 +633,13 @@ void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& a
       lp.table = lora_table;
       lp.num_slots = static_cast<int>(adapters->size());
       lp.adapter_ids = static_cast<const int32_t*>(args.adapter_ids.data) + t0;
+      lp.ids = ids;
       lp.x = x + t0 * H;
       lp.T = tc;
       lp.k = static_cast<int>(k);
       lp.H = static_cast<int>(H);
+      lp.E_loc = static_cast<int>(w.E);
+      lp.local_offset = static_cast<int>(args.local_expert_offset);
       lp.shared_expert = sw != nullptr;
       lp.max_outputs = static_cast<int>(max_shrink1_outputs);
       lp.token_slot = lora_slot;
@@ -671,22 +674,6 @@ void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& a
       pp.token_slot = lora_slot;
       pp.k = static_cast<int>(k);
       launch_order_by_adapter(pp, stream);
-    }
-    if (lora) {  // 3b. LoRA: the routed gate_up shrink (per-expert A1) over the permuted rows
-      LoraShrinkRoutedParams rp;
-      rp.table = lora_table;
-      rp.token_slot = lora_slot;
-      rp.x = x + t0 * H;
-      rp.H = static_cast<int>(H);
-      rp.k = static_cast<int>(k);
-      rp.row_entry = row_entry;
-      rp.tile_info = tile_info;
-      rp.expert_offsets = expert_offsets;
-      rp.max_tiles = static_cast<int>(plan.max_m_tiles);
-      rp.bm = plan.gemm.bm;
-      rp.t1 = lora_t1;
-      rp.t1_stride = static_cast<int>(plan.lora_r1_stride);
-      launch_lora_shrink1_routed(rp, stream);
     }
 
     // 4. GEMM1 over the routed rows.

@@ -80,17 +80,17 @@ struct LoraExpandParams {
   int which = kLoraGateUp;              // a_shared A: the t row is the token's first entry, token * token_div
 };
 
-// Shrink of x (before GEMM1) for what is per token, one warp per output: blocks (token, ceil(max_outputs /
-// warps)) of the chunk. (Per-expert A1: LoraShrinkRoutedParams.) Resolves adapter_ids[t] into
+// Shrink of x (before GEMM1), one warp per output: blocks (token, ceil(max_outputs / warps)) of the chunk. Resolves adapter_ids[t] into
 // token_slot[t] (out-of-range or empty: -1 and error flag 3), then
-//   t1[t*k][i]     = bf16(x_t . A1[i])     for SharedOuter's one A1 (a_shared),
+//   t1[t*k + j][i] = bf16(x_t . A1_e[i])  for each local slot j (a_shared: once, in row t*k),
 //   st1[t][i]      = bf16(x_t . sA1[i])   when the call has a shared expert.
 struct LoraShrink1Params {
   const LoraSlot* table = nullptr;
   int num_slots = 0;
   const int32_t* adapter_ids = nullptr;  // chunk-offset [T]
+  const int32_t* ids = nullptr;          // [T, k] global expert ids (chunk-offset)
   const uint16_t* x = nullptr;           // bf16 [T, H] (chunk-offset), the un-quantized x in A4 too
-  int T = 0, k = 0, H = 0;
+  int T = 0, k = 0, H = 0, E_loc = 0, local_offset = 0;
   bool shared_expert = false;
   int max_outputs = 0;                   // the most outputs a token has over the loaded slots (grid size)
   int32_t* token_slot = nullptr;
@@ -99,21 +99,6 @@ struct LoraShrink1Params {
   float* st1 = nullptr;
   int st_stride = 0;
   int* error_flag = nullptr;
-};
-
-// Routed gate_up shrink with per-expert A1, over the permuted rows (after launch_permute and
-// launch_order_by_adapter): t1[entry][i] = bf16(x_token . A1_{slot,e}[i]); token_slot from the shrink above.
-struct LoraShrinkRoutedParams {
-  const LoraSlot* table = nullptr;
-  const int32_t* token_slot = nullptr;
-  const uint16_t* x = nullptr;  // bf16 [T, H] (chunk-offset)
-  int H = 0, k = 1;
-  const int32_t* row_entry = nullptr;
-  const int32_t* tile_info = nullptr;
-  const int32_t* expert_offsets = nullptr;
-  int max_tiles = 0, bm = 0;
-  float* t1 = nullptr;
-  int t1_stride = 0;
 };
 
 // Shrink of the activations a (bf16, before A4 rounding), one block per GEMM1 output row:
@@ -254,7 +239,6 @@ void launch_gemm2(int config, WeightFormat fmt, const GemmProblem& g, const Epil
 void launch_quantize(const QuantizeParams& p, cudaStream_t stream);
 void launch_combine(const CombineParams& p, cudaStream_t stream);
 void launch_lora_shrink1(const LoraShrink1Params& p, int threads, cudaStream_t stream);
-void launch_lora_shrink1_routed(const LoraShrinkRoutedParams& p, cudaStream_t stream);
 void launch_lora_shrink2(const LoraShrink2Params& p, int threads, cudaStream_t stream);
 
 // Throws Error(CudaError naming `what`; OutOfMemory for allocation failures) when e != cudaSuccess.
