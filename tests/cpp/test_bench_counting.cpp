@@ -147,5 +147,24 @@ TEST(BenchCounting, ListParsing) {
   EXPECT_THROW(bench::split_list("a,"), std::invalid_argument);
 }
 
+TEST(BenchOptions, ActivationVariants) {
+  ModelShape s = *find_model_shape("kimi_k3_tp8");
+  ASSERT_TRUE(bench::activation_variant("swiglu", s));
+  EXPECT_EQ(s.activation, ActivationType::Swiglu);
+  EXPECT_EQ(s.alpha, 1.f);
+  EXPECT_EQ(s.beta, 0.f);
+  ASSERT_TRUE(bench::activation_variant("situ", s));
+  EXPECT_EQ(s.activation, ActivationType::Situ);
+  EXPECT_EQ(s.alpha, 4.f);
+  EXPECT_EQ(s.beta, 25.f);
+  ASSERT_TRUE(bench::activation_variant("swiglubias", s));
+  EXPECT_EQ(s.activation, ActivationType::SwigluBias);
+  EXPECT_EQ(s.clamp_limit, 7.f);
+  const ModelShape before = s;
+  EXPECT_FALSE(bench::activation_variant("gelu", s));  // non-gated: not offered
+  EXPECT_EQ(s.activation, before.activation);
+  EXPECT_EQ(s.H, before.H);
+}
+
 }  // namespace
 }  // namespace fp4moe

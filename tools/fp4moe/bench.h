@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "fp4moe/model_shapes.h"
 #include "fp4moe/types.h"
 
 namespace fp4moe {
@@ -20,6 +21,16 @@ namespace fp4moe {
 int run_bench(int argc, char** argv);
 
 namespace bench {
+
+// --activation NAME: sets s's activation and parameters as the GPU tests use them (swiglu 1/0, situ 4/25,
+// swiglubias 1.702/1 clamp 7; gated only: the synthetic layers of SPEC §1 are all gated). False for other names.
+inline bool activation_variant(const std::string& name, ModelShape& s) {
+  if (name == "swiglu") { s.activation = ActivationType::Swiglu; s.alpha = 1.f; s.beta = 0.f; s.clamp_limit = 0.f; }
+  else if (name == "situ") { s.activation = ActivationType::Situ; s.alpha = 4.f; s.beta = 25.f; s.clamp_limit = 0.f; }
+  else if (name == "swiglubias") { s.activation = ActivationType::SwigluBias; s.alpha = 1.702f; s.beta = 1.f; s.clamp_limit = 7.f; }
+  else return false;
+  return true;
+}
 
 // ---- bytes of one expert's weights --------------------------------------------------------------
 // NVFP4 [N, K]: packed codes (K/2 bytes a row) + one e4m3 scale per 16 elements.
