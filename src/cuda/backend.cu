@@ -12,6 +12,7 @@
 
 #include "common/activation.h"
 #include "common/parallel_for.h"
+#include "cuda/device_guard.h"
 #include "cuda/kernels.h"
 #include "format/nvfp4_prepared.h"
 #include "fp4moe/plan.h"
@@ -29,24 +30,6 @@ void check_cuda(cudaError_t e, const char* what) {
 void check_launch(const char* kernel) { check_cuda(cudaGetLastError(), kernel); }
 
 namespace {
-
-// Makes `dev` current for the scope and restores the previous device.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int dev) {
-    check_cuda(cudaGetDevice(&prev_), "cudaGetDevice");
-    if (prev_ != dev) check_cuda(cudaSetDevice(dev), "cudaSetDevice");
-  }
-  ~DeviceGuard() {
-    int cur = -1;
-    if (cudaGetDevice(&cur) == cudaSuccess && cur != prev_) (void)cudaSetDevice(prev_);
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int prev_ = 0;
-};
 
 std::mutex g_flag_mu;
 std::vector<int*> g_flags;
@@ -146,11 +129,8 @@ bool aligned(const void* p, size_t a) { return reinterpret_cast<uintptr_t>(p) % 
 }  // namespace
 
 DeviceWeights::~DeviceWeights() {
-  int prev = -1;
-  const bool have_prev = cudaGetDevice(&prev) == cudaSuccess;
-  if (have_prev && prev != device_id) (void)cudaSetDevice(device_id);
+  DeviceGuard guard(device_id, DeviceGuard::NoThrow{});
   for (void* p : allocations) (void)cudaFree(p);
-  if (have_prev && prev != device_id) (void)cudaSetDevice(prev);
 }
 
 int* device_error_flag(int device_id) {

@@ -20,6 +20,7 @@
 #include <type_traits>
 #include <string>
 
+#include "cuda/device_guard.h"
 #include "fp4moe/parallel.h"
 
 namespace fp4moe {
@@ -107,28 +108,8 @@ void nccl_check(ncclResult_t r, const char* what) {
   if (r != ncclSuccess)
     throw Error(ErrorCode::CudaError, "nccl_comm", std::string(what) + " failed: " + nccl_api().GetErrorString(r));
 }
-void cuda_check(cudaError_t r, const char* what) {
-  if (r == cudaErrorMemoryAllocation) throw Error(ErrorCode::OutOfMemory, "", std::string(what) + ": out of memory");
-  if (r != cudaSuccess) throw Error(ErrorCode::CudaError, "", std::string(what) + ": " + cudaGetErrorString(r));
-}
-
-// Makes the communicator's device current for a collective (NCCL enqueues on the current device's context).
-class CommDevice {
- public:
-  explicit CommDevice(int dev) {
-    if (dev < 0 || cudaGetDevice(&prev_) != cudaSuccess) return;
-    if (prev_ != dev && cudaSetDevice(dev) == cudaSuccess) restore_ = true;
-  }
-  ~CommDevice() {
-    if (restore_) (void)cudaSetDevice(prev_);
-  }
-  CommDevice(const CommDevice&) = delete;
-  CommDevice& operator=(const CommDevice&) = delete;
-
- private:
-  int prev_ = -1;
-  bool restore_ = false;
-};
+using cuda_backend::check_cuda;
+using cuda_backend::DeviceGuard;  // collectives make the communicator's device current (NCCL enqueues on it), best effort
 
 // out[i] = ((in[0][i] + in[1][i]) + in[2][i]) + ...: rank order, one thread per element, no atomics.
 __global__ void rank_order_sum(const float* __restrict__ in, int world, long long count, float* __restrict__ out) {
@@ -158,7 +139,7 @@ class NcclCommunicator final : public Communicator {
   int cuda_device() const override { return device_; }
 
   void allreduce_sum_f32(float* data, int64_t count) override {
-    CommDevice dev_scope(device_);
+    DeviceGuard dev_scope(device_, DeviceGuard::NoThrow{});
     check_count(count, data);
     if (count == 0) return;
     float* all = scratch(static_cast<size_t>(world_) * count);
@@ -166,13 +147,13 @@ class NcclCommunicator final : public Communicator {
     launch_sum(all, count, data);
   }
   void allgather(const void* in, void* out, int64_t bytes) override {
-    CommDevice dev_scope(device_);
+    DeviceGuard dev_scope(device_, DeviceGuard::NoThrow{});
     if (bytes < 0) throw Error(ErrorCode::InvalidArgument, "bytes", "expected >= 0");
     if (bytes == 0) return;
     nccl_check(nccl_api().AllGather(in, out, static_cast<size_t>(bytes), ncclUint8, comm_, stream_), "ncclAllGather");
   }
   void reduce_scatter_sum_f32(const float* in, float* out, int64_t count) override {
-    CommDevice dev_scope(device_);
+    DeviceGuard dev_scope(device_, DeviceGuard::NoThrow{});
     check_count(count, out);
     if (count == 0) return;
     // Chunk `rank_` of every rank's `in`, gathered in rank order, then summed in rank order.
@@ -189,7 +170,7 @@ class NcclCommunicator final : public Communicator {
     launch_sum(mine, count, out);
   }
   void alltoall(const void* in, void* out, int64_t bytes_per_rank) override {
-    CommDevice dev_scope(device_);
+    DeviceGuard dev_scope(device_, DeviceGuard::NoThrow{});
     if (bytes_per_rank < 0) throw Error(ErrorCode::InvalidArgument, "bytes_per_rank", "expected >= 0");
     if (bytes_per_rank == 0) return;
     const NcclApi& n = nccl_api();
@@ -202,10 +183,10 @@ class NcclCommunicator final : public Communicator {
     nccl_check(n.GroupEnd(), "ncclGroupEnd");
   }
   void barrier() override {
-    CommDevice dev_scope(device_);
+    DeviceGuard dev_scope(device_, DeviceGuard::NoThrow{});
     float* s = scratch(static_cast<size_t>(world_) + 1);
     nccl_check(nccl_api().AllGather(s + world_, s, 1, ncclFloat32, comm_, stream_), "ncclAllGather");
-    cuda_check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
+    check_cuda(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
   }
 
  private:
@@ -217,12 +198,12 @@ class NcclCommunicator final : public Communicator {
   float* scratch(size_t n) {
     if (n > scratch_n_) {
       if (scratch_) {
-        cuda_check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
-        cuda_check(cudaFree(scratch_), "cudaFree");
+        check_cuda(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
+        check_cuda(cudaFree(scratch_), "cudaFree");
         scratch_ = nullptr;
         scratch_n_ = 0;
       }
-      cuda_check(cudaMalloc(&scratch_, n * sizeof(float)), "cudaMalloc (communicator scratch)");
+      check_cuda(cudaMalloc(&scratch_, n * sizeof(float)), "cudaMalloc (communicator scratch)");
       scratch_n_ = n;
     }
     return scratch_;
@@ -231,7 +212,7 @@ class NcclCommunicator final : public Communicator {
     const int threads = 256;
     const int64_t blocks = std::min<int64_t>((count + threads - 1) / threads, 65535);
     rank_order_sum<<<static_cast<unsigned>(blocks), threads, 0, stream_>>>(all, world_, count, out);
-    cuda_check(cudaGetLastError(), "rank_order_sum launch");
+    check_cuda(cudaGetLastError(), "rank_order_sum launch");
   }
 
   ncclComm_t comm_;
@@ -282,18 +263,18 @@ NcclGroupComm::NcclGroupComm(const std::vector<uint8_t>& unique_id, int world, i
     throw Error(ErrorCode::InvalidArgument, "rank",
                 "expected in [0, world=" + std::to_string(world) + "), got " + std::to_string(rank));
   int count = 0;
-  cuda_check(cudaGetDeviceCount(&count), "cudaGetDeviceCount");
+  check_cuda(cudaGetDeviceCount(&count), "cudaGetDeviceCount");
   if (device < 0 || device >= count)
     throw Error(ErrorCode::InvalidArgument, "device",
                 "expected a CUDA device in [0, " + std::to_string(count) + "), got " + std::to_string(device));
   ncclUniqueId id;
   std::memcpy(&id, unique_id.data(), kNcclUniqueIdBytes);
-  int prev = 0;
-  cuda_check(cudaGetDevice(&prev), "cudaGetDevice");
-  cuda_check(cudaSetDevice(device), "cudaSetDevice");
   ncclComm_t c = nullptr;
-  const ncclResult_t r = api.CommInitRank(&c, world, id, rank);
-  (void)cudaSetDevice(prev);
+  ncclResult_t r;
+  {
+    DeviceGuard guard(device);
+    r = api.CommInitRank(&c, world, id, rank);
+  }
   nccl_check(r, "ncclCommInitRank");
   nccl_comm_ = c;
   try {
@@ -308,11 +289,10 @@ NcclGroupComm::NcclGroupComm(const std::vector<uint8_t>& unique_id, int world, i
 void NcclGroupComm::destroy() {
   if (!nccl_comm_) return;
   comm_.reset();  // frees the communicator's scratch first
-  int prev = 0;
-  const bool have = cudaGetDevice(&prev) == cudaSuccess;
-  if (have && prev != device_) (void)cudaSetDevice(device_);
-  (void)nccl_api().CommDestroy(static_cast<ncclComm_t>(nccl_comm_));
-  if (have && prev != device_) (void)cudaSetDevice(prev);
+  {
+    DeviceGuard guard(device_, DeviceGuard::NoThrow{});
+    (void)nccl_api().CommDestroy(static_cast<ncclComm_t>(nccl_comm_));
+  }
   nccl_comm_ = nullptr;
 }
 

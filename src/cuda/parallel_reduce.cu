@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <string>
 
+#include "cuda/device_guard.h"
 #include "cuda/kernels.h"
 #include "cuda/nvfp4_device.cuh"
 #include "runtime/parallel_device.h"
@@ -12,22 +13,7 @@
 namespace fp4moe::parallel_device {
 namespace {
 
-class DeviceScope {
- public:
-  explicit DeviceScope(int dev) {
-    cuda_backend::check_cuda(cudaGetDevice(&prev_), "cudaGetDevice");
-    if (prev_ != dev) cuda_backend::check_cuda(cudaSetDevice(dev), "cudaSetDevice");
-  }
-  ~DeviceScope() {
-    int cur = -1;
-    if (cudaGetDevice(&cur) == cudaSuccess && cur != prev_) (void)cudaSetDevice(prev_);
-  }
-  DeviceScope(const DeviceScope&) = delete;
-  DeviceScope& operator=(const DeviceScope&) = delete;
-
- private:
-  int prev_ = 0;
-};
+using cuda_backend::DeviceGuard;
 
 // Grid-stride over rows * H elements; every thread first reads the world flags (a few cached loads). The sum
 // is ((p0 + p1) + p2) + ...: rank order, fp32, no FMA, no atomics; every rank computes the same bits.
@@ -52,7 +38,7 @@ __global__ void reduce_to_y_kernel(ReduceToY p, int* error_flag) {
 }  // namespace
 
 void* alloc_async(size_t bytes, int device, void* stream) {
-  DeviceScope scope(device);
+  DeviceGuard scope(device);
   void* p = nullptr;
   cuda_backend::check_cuda(cudaMallocAsync(&p, std::max<size_t>(bytes, 256), static_cast<cudaStream_t>(stream)),
                            "cudaMallocAsync (parallel scratch)");
@@ -61,22 +47,19 @@ void* alloc_async(size_t bytes, int device, void* stream) {
 
 void free_async(void* p, int device, void* stream) noexcept {
   if (!p) return;
-  int prev = -1;
-  const bool have = cudaGetDevice(&prev) == cudaSuccess;
-  if (have && prev != device) (void)cudaSetDevice(device);
+  DeviceGuard scope(device, DeviceGuard::NoThrow{});
   (void)cudaFreeAsync(p, static_cast<cudaStream_t>(stream));
-  if (have && prev != device) (void)cudaSetDevice(prev);
 }
 
 void set_flag_async(float* flag, bool failed, int device, void* stream) {
-  DeviceScope scope(device);
+  DeviceGuard scope(device);
   cuda_backend::check_cuda(cudaMemsetAsync(flag, failed ? 0x3f : 0, 64 * sizeof(float), static_cast<cudaStream_t>(stream)),
                            "cudaMemsetAsync (parallel failure flag)");
 }
 
 void reduce_to_y(const ReduceToY& p, int device, void* stream) {
   int* err = cuda_backend::device_error_flag(device);
-  DeviceScope scope(device);
+  DeviceGuard scope(device);
   const int64_t n = p.rows * p.H;
   const int threads = 256;
   // At least one block, so that a peer's failure is flagged even for an empty output.
