@@ -183,8 +183,7 @@ __device__ __forceinline__ void tile_epilogue(const typename Epi::Params& p, con
       if (!valid[half]) continue;
       rc[half] = Epi::row_ctx(p, g, x, r);
       if (p.lora.table) {
-        const int entry = entry_of(g, r);
-        rr[half] = dev::lora_row_ref(p.lora, entry / p.token_div, entry, p.token_div);
+        rr[half] = dev::lora_row_ref(p.lora, entry_of(g, r), p.token_div);
       }
     }
     // The LoRA deltas of the warp's 16 x WTN outputs of this mt: one pass per adapter present in the 16 rows.

@@ -210,10 +210,7 @@ __global__ void __launch_bounds__(Cfg::THREADS) skinny_gemm_kernel(GemmProblem g
     if (ep.lora.table) {
       dev::LoraRowRef rr;  // this lane's B column: token gq of the group
       const int crow = tr.row0 + i * 8 + gq;
-      if (crow < tr.row_end) {
-        const int entry = entry_of(g, crow);
-        rr = dev::lora_row_ref(ep.lora, entry / ep.token_div, entry, ep.token_div);
-      }
+      if (crow < tr.row_end) rr = dev::lora_row_ref(ep.lora, entry_of(g, crow), ep.token_div);
       const int sel0 = __shfl_sync(0xffffffffu, rr.slot, 8 * t), sel1 = __shfl_sync(0xffffffffu, rr.slot, 8 * t + 4);
       const int keys[1] = {rr.slot};
       dev::for_each_slot(keys, [&](int s) {

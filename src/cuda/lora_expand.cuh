@@ -24,8 +24,10 @@ struct LoraRowRef {
   const float* t = nullptr;
   int slot = -1;
 };
-__device__ __forceinline__ LoraRowRef lora_row_ref(const LoraExpandParams& L, int token, int entry, int token_div) {
+// entry: the output row's (token, slot) entry; token = entry / token_div.
+__device__ __forceinline__ LoraRowRef lora_row_ref(const LoraExpandParams& L, int entry, int token_div) {
   LoraRowRef rr;
+  const int token = entry / token_div;
   if (!L.table) return rr;
   const int slot = L.token_slot[token];
   if (slot < 0) return rr;

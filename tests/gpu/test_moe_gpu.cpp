@@ -191,7 +191,6 @@ TEST(GpuDeterminism, CallsStreamsGraphs) {
   CUDA_OK(cudaStreamDestroy(s2));
 }
 
-// ---- batch invariance: a token's bits do not depend on the rest of the batch ------------------------
 // Block-scale codes the synthetic layers never make, which the prepared layout re-encodes
 // (format/nvfp4_prepared.h): negative, +-0 and subnormal scales, against the reference.
 TEST(GpuNvfp4, SpecialScaleCodes) {
@@ -219,6 +218,7 @@ TEST(GpuNvfp4, SpecialScaleCodes) {
   // (A NaN scale code is rejected when the weights are prepared — bad input, tests/cpp/test_weights.cpp.)
 }
 
+// ---- batch invariance: a token's bits do not depend on the rest of the batch ------------------------
 TEST(GpuBatchInvariance, SubBatchesEqualFullBatch) {
   FP4MOE_SKIP_WITHOUT_GPU();
   for (int mode = 0; mode < 2; ++mode) {
