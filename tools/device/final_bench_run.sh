@@ -18,16 +18,10 @@ pybuild=$!
 step gpu_tests 150 "$BIN/fp4moe_gpu_tests" --gtest_filter="$FILTER"
 grep -E '^\[  (PASSED|FAILED|SKIPPED) |^\[==========\]|^\[  FAILED|^STAT perf' "$OUT/gpu_tests.log" | tee -a "$S"
 
-# Per-kernel GPU time of the first (eager) call at T=1 and T=64, kimi_k3_tp8, no LoRA.
+# Per-kernel GPU time and instructions of the first (eager) call at T=1 and T=64, kimi_k3_tp8, no LoRA.
 if command -v ncu > /dev/null; then
-  for T in 1 64; do
-    step ncu_T$T 45 ncu --metrics gpu__time_duration.sum --launch-count 8 \
-      -k "regex:routing|count_kernel|scan_kernel|place_kernel|gemm_kernel|combine_kernel|quantize_kernel" \
-      "$BIN/fp4moe" bench --shapes kimi_k3_tp8 --tokens $T --no-lora --runs 1 --max-runs 1 --min-time 0
-    echo "-- ncu kimi_k3_tp8 T=$T (gpu__time_duration.sum per kernel, first call):" >> "$S"
-    grep -E "^  [a-z_].*\(|gpu__time_duration" "$OUT/ncu_T$T.log" | sed 's/(fp4moe::[^)]*)//' | paste - - | \
-      sed -E 's/ +/ /g' | cut -c1-160 >> "$S"
-  done
+  OUT="$OUT" S="$S" BIN="$BIN" t0="$t0" BUDGET="$BUDGET" TOKENS="1 64" BENCH_FLAGS=--no-lora COUNT=8 \
+    bash "$(dirname "$0")/ncu_times.sh" > /dev/null
 fi
 
 step fp4moe_bench 230 "$BIN/fp4moe" bench --json "$OUT/fp4moe.json"
