@@ -848,7 +848,7 @@ int run_bench_cuda(const Options& o) {
     method.add("timing", json::quote("CUDA events around one CUDA-graph replay of moe_run"));
     method.add("l2", json::quote(d.flush_method)).add("runs_min", jint(o.runs)).add("runs_max", jint(o.max_runs));
     method.add("min_time_s", jnum(o.min_time_s)).add("input_sets", jint(o.sets)).add("warmup", jint(2 * o.sets));
-    method.add("format", json::quote(o.format == WeightFormat::NVFP4 ? "nvfp4" : "bf16")).add("mode", json::quote("A16"));
+    method.add("format", json::quote(o.format == WeightFormat::NVFP4 ? "nvfp4" : "bf16")).add("mode", json::quote(o.mode == ActMode::A4 ? "A4" : "A16"));
     method.add("lora", json::quote("8 PEFT-fused adapters of rank 16, adapter_ids = t % 8"));
     method.add("weight_bytes", json::quote("per local expert routed to at least once: W1 + W2 (NVFP4: codes + e4m3 scales + fp32 "
                                     "global scales; bf16: 2 bytes an element); LoRA rows add the touched (adapter, expert) "
