@@ -72,12 +72,39 @@ struct SwigluStep {
     return min_(silu(g), L) * clampv(u, -L, L);
   }
 };
+// SiTU's float math without branches. In the GEMM1 epilogue the library tanhf / expf / IEEE division each
+// branch (range cases, the division's slow path), so the compiler runs a thread's activations one after the
+// other; SiTU (two tanh, three divisions) then cost 3.6-4.2 % of kimi_k3_tp8 at T = 64 and 1024 over SwiGLU
+// (H200, bench/results/2026-11-30-h200-session5-verify). These forms are within ~2e-6 relative of the exact
+// functions (tests/cpp/test_activation.cpp, SituFastFloatMath: against double), far below the bf16 rounding of a.
+// double (the oracle) keeps the library functions.
+#if defined(__CUDA_ARCH__)
+__device__ __forceinline__ float exp_fast(float v) { return __expf(v); }
+__device__ __forceinline__ float div_fast(float a, float b) { return __fdividef(a, b); }  // 0 for |b| > 2^126
+#else
+inline float exp_fast(float v) { return std::exp(v); }
+inline float div_fast(float a, float b) { return a / b; }
+#endif
+// tanh: an odd Taylor polynomial below 1/8 (relative error < 2e-9), 1 - 2 / (e^{2|v|} + 1) above (no
+// cancellation worse than 7x there), the sign put back; NaN stays NaN, +-inf gives +-1.
+FP4MOE_HD float tanh_fast(float v) {
+  const float av = fabsf(v), s = av * av;
+  const float poly = av * (1.f + s * (-1.f / 3.f + s * (2.f / 15.f + s * (-17.f / 315.f))));
+  const float big = 1.f - div_fast(2.f, exp_fast(2.f * av) + 1.f);
+  return copysignf(av < 0.125f ? poly : big, v);
+}
+FP4MOE_HD double tanh_fast(double v) { return ::tanh(v); }
+FP4MOE_HD float sigmoid_fast(float v) { return div_fast(1.f, 1.f + exp_fast(-v)); }
+FP4MOE_HD double sigmoid_fast(double v) { return sigmoid(v); }
+FP4MOE_HD float div_situ(float a, float b) { return div_fast(a, b); }
+FP4MOE_HD double div_situ(double a, double b) { return a / b; }
+
 // SiTU (Kimi-K3): [alpha tanh(g/alpha) sigmoid(g)] * [beta tanh(u/beta)], optional clamp as Swiglu.
 struct Situ {
   template <class T> FP4MOE_HD static T apply(T g, T u, const Params& p) {
     if (p.has_limit) { g = min_(g, T(p.limit)); u = clampv(u, T(-p.limit), T(p.limit)); }
     T a = T(p.alpha), b = T(p.beta);
-    return (a * tanh_(g / a) * sigmoid(g)) * (b * tanh_(u / b));
+    return (a * tanh_fast(div_situ(g, a)) * sigmoid_fast(g)) * (b * tanh_fast(div_situ(u, b)));
   }
 };
 

@@ -109,6 +109,41 @@ TEST(Activation, SituKimi) {
   EXPECT_FALSE(given(t, 4.f, 25.f, INFINITY).has_limit);
 }
 
+// SiTU's branch-free float tanh / sigmoid (the host build of the device forms: std::exp and IEEE division where
+// the device uses __expf / __fdividef) against double: relative error <= 3e-6 over [-60, 60], exact signs and
+// zeros, NaN kept, +-1 at +-inf; and SiTU in float against its double over a grid that crosses the
+// polynomial / exponential switch at |g / alpha| = 1/8.
+TEST(Activation, SituFastFloatMath) {
+  double worst_t = 0, worst_s = 0;
+  for (double v = -60.0; v <= 60.0; v += 0.001953125 * 1.37) {
+    const float f = static_cast<float>(v);
+    const double tv = std::tanh(static_cast<double>(f)), sv = 1.0 / (1.0 + std::exp(-static_cast<double>(f)));
+    worst_t = std::max(worst_t, std::fabs(act::tanh_fast(f) - tv) / std::max(std::fabs(tv), 1e-30));
+    if (sv > 1e-30) worst_s = std::max(worst_s, std::fabs(act::sigmoid_fast(f) - sv) / sv);
+  }
+  EXPECT_LE(worst_t, 3e-6);
+  EXPECT_LE(worst_s, 3e-6);
+  for (float v : {1e-30f, 1e-6f, 0.1249f, 0.125f, 0.1251f, 3.0f}) {
+    EXPECT_NEAR(act::tanh_fast(v), std::tanh(static_cast<double>(v)), 3e-6 * std::tanh(static_cast<double>(v))) << v;
+    EXPECT_EQ(act::tanh_fast(-v), -act::tanh_fast(v)) << v;
+  }
+  EXPECT_EQ(act::tanh_fast(0.f), 0.f);
+  EXPECT_TRUE(std::signbit(act::tanh_fast(-0.f)));
+  EXPECT_EQ(act::tanh_fast(INFINITY), 1.f);
+  EXPECT_EQ(act::tanh_fast(-INFINITY), -1.f);
+  EXPECT_TRUE(std::isnan(act::tanh_fast(NAN)));
+  EXPECT_EQ(act::sigmoid_fast(-INFINITY), 0.f);
+  EXPECT_EQ(act::sigmoid_fast(INFINITY), 1.f);
+  const auto t = ActivationType::Situ;
+  const act::Params k = act::resolve_params(t, true, 4.f, true, 25.f, false, 0.f);
+  for (double g = -12.0; g <= 12.0; g += 0.0731)
+    for (double u = -80.0; u <= 80.0; u += 0.977) {
+      const double want = act::apply<double>(t, static_cast<float>(g), static_cast<float>(u), k);
+      const float f = act::apply<float>(t, static_cast<float>(g), static_cast<float>(u), k);
+      EXPECT_NEAR(f, want, 5e-6 * std::fabs(want) + 1e-30) << "g=" << g << " u=" << u;
+    }
+}
+
 // Every type on a grid of points against the test's own double implementation.
 TEST(Activation, SweepAgainstIndependentDouble) {
   for (int ti = 0; ti <= 10; ++ti) {
