@@ -6,15 +6,44 @@
 namespace fp4moe::cuda_backend {
 namespace {
 
-// One block per row; one thread per 16-element block. Per-row scale: gs = 2688 / amax (amax over the
-// row, NaN when any element is NaN, as the reference), 1 when amax is 0 or not finite.
-__global__ void quantize_kernel(QuantizeParams p) {
+// One 16-element block of row `row` with encode scale gs: NVFP4 values (e2m1 * e4m3, exact in bf16).
+__device__ __forceinline__ void quantize_block(const QuantizeParams& p, int row, int b, float gs) {
+  const uint16_t* x = p.x + static_cast<int64_t>(row) * p.ldx + b * 16;
+  uint16_t* y = p.out + static_cast<int64_t>(row) * p.K + b * 16;
+  float v[16], q[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) v[i] = dev::bf16_to_f32(x[i]);
+  dev::fake_quant_block16(v, gs, q);
+#pragma unroll
+  for (int i = 0; i < 16; ++i) y[i] = dev::f32_to_bf16(q[i]);
+}
+
+// A given encode scale (x with the per-tensor input_scale, a with the FC2 input scale): one thread per
+// 16-element block across all rows. (One block per row left 104 of 128 threads idle on a row of I = 384: A4
+// cost kimi_k3_tp8 +13-15 % over A16 at T >= 1024, bench/results/2026-11-30-h200-session5-verify.)
+__global__ void quantize_blocks_kernel(QuantizeParams p) {
+  dev::pdl_wait();
+  dev::pdl_launch_dependents();
+  const int bpr = p.K / 16;
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= static_cast<int64_t>(p.rows) * bpr) return;
+  const int row = static_cast<int>(i / bpr), b = static_cast<int>(i % bpr);
+  if (p.row_count && row >= *p.row_count) return;  // rows the permutation did not fill
+  if (b == 0 && p.out_scale) p.out_scale[row] = p.scale2;
+  quantize_block(p, row, b, p.gs);
+}
+
+// Per-row scale (x with per-token scales): one block per row, gs = 2688 / amax (amax over the row, NaN when any
+// element is NaN, as the reference), 1 when amax is 0 or not finite.
+__global__ void quantize_rows_kernel(QuantizeParams p) {
+  dev::pdl_wait();
+  dev::pdl_launch_dependents();
   const int row = blockIdx.x;
   if (p.row_count && row >= *p.row_count) return;  // rows the permutation did not fill
   const uint16_t* x = p.x + static_cast<int64_t>(row) * p.ldx;
   uint16_t* y = p.out + static_cast<int64_t>(row) * p.K;
   float gs = p.gs;
-  if (p.per_row_scale) {
+  {
     __shared__ float red[32];
     float amax = 0.f;
     bool nan = false;
@@ -37,17 +66,8 @@ __global__ void quantize_kernel(QuantizeParams p) {
       if (isinf(gs)) gs = 3.402823466e38f;
     }
     if (threadIdx.x == 0 && p.out_scale) p.out_scale[row] = __fdiv_rn(1.f, gs);
-  } else if (threadIdx.x == 0 && p.out_scale) {
-    p.out_scale[row] = p.scale2;
   }
-  for (int b = threadIdx.x; b < p.K / 16; b += blockDim.x) {
-    float v[16], q[16];
-#pragma unroll
-    for (int i = 0; i < 16; ++i) v[i] = dev::bf16_to_f32(x[b * 16 + i]);
-    dev::fake_quant_block16(v, gs, q);
-#pragma unroll
-    for (int i = 0; i < 16; ++i) y[b * 16 + i] = dev::f32_to_bf16(q[i]);  // exact: e2m1 * e4m3
-  }
+  for (int b = threadIdx.x; b < p.K / 16; b += blockDim.x) quantize_block(p, row, b, gs);
 }
 
 // y_t = sum_j w_tj o_tj in slot order (+ shared, + SharedOuter down delta), fp32 multiply then add (no FMA,
@@ -147,8 +167,13 @@ __global__ void combine_kernel(CombineParams p) {
 
 void launch_quantize(const QuantizeParams& p, cudaStream_t stream) {
   if (p.rows <= 0) return;
-  quantize_kernel<<<p.rows, 128, 0, stream>>>(p);
-  check_launch("quantize_kernel");
+  if (p.per_row_scale) {
+    launch_pdl(quantize_rows_kernel, dim3(static_cast<unsigned>(p.rows)), dim3(128), 0, stream, "quantize_rows_kernel", p);
+  } else {
+    const int64_t blocks = (static_cast<int64_t>(p.rows) * (p.K / 16) + 255) / 256;
+    launch_pdl(quantize_blocks_kernel, dim3(static_cast<unsigned>(blocks)), dim3(256), 0, stream, "quantize_blocks_kernel",
+               p);
+  }
 }
 
 void launch_combine(const CombineParams& p, cudaStream_t stream) {
