@@ -13,7 +13,7 @@ export PATH=/usr/local/cuda/bin:$PATH
 header "$SHAPE $BENCH_FLAGS"
 for T in $TOKENS; do
   step ncu_$T 120 ncu --print-kernel-base function --metrics gpu__time_duration.sum,smsp__inst_executed.sum \
-    --launch-count "$COUNT" -k "regex:routing|permute|count_kernel|scan_kernel|place_kernel|gemm_kernel|combine_kernel|lora|order|quantize_kernel" \
+    --launch-count "$COUNT" -k "regex:routing|permute|count_kernel|scan_kernel|place_kernel|gemm_kernel|combine_kernel|lora|order|quantize" \
     "$BIN/fp4moe" bench --shapes "$SHAPE" --tokens "$T" $BENCH_FLAGS --sets 1 --runs 1 --max-runs 1 --min-time 0
   say "-- T=$T"
   awk '/^  [a-z_]+.*\(/ {name=$1} /gpu__time_duration.sum/ {d=$(NF-1) " " $NF} /smsp__inst_executed.sum/ {printf "%-32s %14s %16s instr\n", name, d, $NF}' \
