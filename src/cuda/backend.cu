@@ -438,7 +438,7 @@ void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& a
   // Registry LoRA: every loaded adapter must fit this layer (and the call's shared expert); the largest
   // rank sizes the LoRA workspace. An empty registry still runs the LoRA path (ids other than -1 flagged).
   const bool lora = adapters != nullptr;
-  int64_t max_rank = 1, max_shrink1_outputs = 1;
+  int64_t max_rank = 1, max_shrink1_outputs = 1, max_untiled_shrink1_outputs = 1;
   if (lora) {
     if (!args.adapter_ids.present()) throw Error(ErrorCode::InvalidArgument, "adapter_ids", "required with adapters");
     if (!aligned(args.adapter_ids.data, 4)) throw Error(ErrorCode::InvalidArgument, "adapter_ids", "must be 4-byte aligned");
@@ -455,7 +455,9 @@ void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& a
         throw Error(ErrorCode::InvalidArgument, "adapters", slot + ": its shared-expert LoRA does not match the shared expert");
       max_rank = std::max(max_rank, a->rank);
       const int64_t routed = a->has_gate_up ? (a->a1_shared ? 1 : args.routing.top_k) * a->r1 : 0;
-      max_shrink1_outputs = std::max(max_shrink1_outputs, routed + (sw && a->has_shared && a->s_has_gate_up ? a->s_r : 0));
+      const int64_t shared = sw && a->has_shared && a->s_has_gate_up ? a->s_r : 0;
+      max_shrink1_outputs = std::max(max_shrink1_outputs, routed + shared);
+      max_untiled_shrink1_outputs = std::max(max_untiled_shrink1_outputs, (a->a1_shared ? routed : 0) + shared);
     }
   }
 
@@ -607,7 +609,9 @@ void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& a
       a_in = x_q;
     }
 
-    // 2b. LoRA: each token's slot (checked) and the shrink of the bf16 x (also in A4).
+    // 2b. LoRA: each token's slot (checked) and the shrink of the bf16 x (also in A4; with plan.lora_shrink1_tiled
+    // the routed per-expert part runs after the permutation).
+    LoraShrink1Params tiled_shrink;
     if (lora) {
       LoraShrink1Params lp;
       lp.table = lora_table;
@@ -628,7 +632,17 @@ void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& a
       lp.st1 = lora_st1;
       lp.st_stride = static_cast<int>(plan.lora_r2_stride);
       lp.error_flag = err;
+      lp.routed_in_tiles = plan.lora_shrink1_tiled;
+      if (lp.routed_in_tiles) lp.max_outputs = static_cast<int>(max_untiled_shrink1_outputs);
       launch_lora_shrink1(lp, plan.lora_shrink1_threads, stream);
+      if (lp.routed_in_tiles) {  // run after the permutation below
+        lp.tile_info = tile_info;
+        lp.expert_offsets = expert_offsets;
+        lp.row_entry = row_entry;
+        lp.max_tiles = static_cast<int>(plan.max_m_tiles);
+        lp.bm = static_cast<int>(plan.gemm.bm);
+        tiled_shrink = lp;
+      }
     }
 
     // 3. Permutation.
@@ -655,6 +669,7 @@ void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& a
       pp.k = static_cast<int>(k);
       launch_order_by_adapter(pp, stream);
     }
+    if (tiled_shrink.routed_in_tiles) launch_lora_shrink1_tiled(tiled_shrink, 256, stream);
 
     // 4. GEMM1 over the routed rows.
     uint16_t* act_out = nullptr;

@@ -99,6 +99,13 @@ struct LoraShrink1Params {
   float* st1 = nullptr;
   int st_stride = 0;
   int* error_flag = nullptr;
+  // Tiled routed shrink (plan.lora_shrink1_tiled): the per-token kernel then leaves the routed outputs of
+  // per-expert A1s to lora_shrink1_tiled_kernel, run after the permutation over GEMM1's row tiles.
+  bool routed_in_tiles = false;
+  const int32_t* tile_info = nullptr;
+  const int32_t* expert_offsets = nullptr;
+  const int32_t* row_entry = nullptr;
+  int max_tiles = 0, bm = 0;
 };
 
 // Shrink of the activations a (bf16, before A4 rounding), one block per GEMM1 output row:
@@ -239,6 +246,7 @@ void launch_gemm2(int config, WeightFormat fmt, const GemmProblem& g, const Epil
 void launch_quantize(const QuantizeParams& p, cudaStream_t stream);
 void launch_combine(const CombineParams& p, cudaStream_t stream);
 void launch_lora_shrink1(const LoraShrink1Params& p, int threads, cudaStream_t stream);
+void launch_lora_shrink1_tiled(const LoraShrink1Params& p, int threads, cudaStream_t stream);
 void launch_lora_shrink2(const LoraShrink2Params& p, int threads, cudaStream_t stream);
 
 // Throws Error(CudaError naming `what`; OutOfMemory for allocation failures) when e != cudaSuccess.
