@@ -609,9 +609,8 @@ void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& a
       a_in = x_q;
     }
 
-    // 2b. LoRA: each token's slot (checked) and the shrink of the bf16 x (also in A4; with plan.lora_shrink1_tiled
+    // 2b. LoRA: each token's slot (checked) and the shrink of the bf16 x (also in A4; with plan.lora_shrink_tiled
     // the routed per-expert part runs after the permutation).
-    LoraShrink1Params tiled_shrink;
     if (lora) {
       LoraShrink1Params lp;
       lp.table = lora_table;
@@ -632,17 +631,9 @@ void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& a
       lp.st1 = lora_st1;
       lp.st_stride = static_cast<int>(plan.lora_r2_stride);
       lp.error_flag = err;
-      lp.routed_in_tiles = plan.lora_shrink1_tiled;
+      lp.routed_in_tiles = plan.lora_shrink_tiled;
       if (lp.routed_in_tiles) lp.max_outputs = static_cast<int>(max_untiled_shrink1_outputs);
       launch_lora_shrink1(lp, plan.lora_shrink1_threads, stream);
-      if (lp.routed_in_tiles) {  // run after the permutation below
-        lp.tile_info = tile_info;
-        lp.expert_offsets = expert_offsets;
-        lp.row_entry = row_entry;
-        lp.max_tiles = static_cast<int>(plan.max_m_tiles);
-        lp.bm = static_cast<int>(plan.gemm.bm);
-        tiled_shrink = lp;
-      }
     }
 
     // 3. Permutation.
@@ -669,7 +660,26 @@ void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& a
       pp.k = static_cast<int>(k);
       launch_order_by_adapter(pp, stream);
     }
-    if (tiled_shrink.routed_in_tiles) launch_lora_shrink1_tiled(tiled_shrink, 256, stream);
+    // A routed LoRA shrink over GEMM1's row tiles (plan.lora_shrink_tiled): in = x (gathered by token) or a.
+    auto shrink_tiled = [&](const uint16_t* in, bool gather, int64_t K, int which, float* t, int64_t t_stride) {
+      LoraTiledShrinkParams tp;
+      tp.table = lora_table;
+      tp.token_slot = lora_slot;
+      tp.which = which;
+      tp.in = in;
+      tp.gather = gather;
+      tp.K = static_cast<int>(K);
+      tp.k = static_cast<int>(k);
+      tp.t = t;
+      tp.t_stride = static_cast<int>(t_stride);
+      tp.tile_info = tile_info;
+      tp.expert_offsets = expert_offsets;
+      tp.row_entry = row_entry;
+      tp.max_tiles = static_cast<int>(plan.max_m_tiles);
+      tp.bm = static_cast<int>(plan.gemm.bm);
+      launch_lora_shrink_tiled(tp, stream);
+    };
+    if (lora && plan.lora_shrink_tiled) shrink_tiled(x + t0 * H, true, H, kLoraGateUp, lora_t1, plan.lora_r1_stride);
 
     // 4. GEMM1 over the routed rows.
     uint16_t* act_out = nullptr;
@@ -722,7 +732,8 @@ void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& a
       lp.t_stride = static_cast<int>(plan.lora_r2_stride);
       launch_lora_shrink2(lp, plan.lora_shrink2_threads, stream);
     };
-    if (lora) shrink_act(act_buf, I, rows, kLoraDown, lora_t2, true);
+    if (lora && plan.lora_shrink_tiled) shrink_tiled(act_buf, false, I, kLoraDown, lora_t2, plan.lora_r2_stride);
+    else if (lora) shrink_act(act_buf, I, rows, kLoraDown, lora_t2, true);
 
     // 5. A4: a -> NVFP4 values with the FC2 input encode scale.
     if (a4) quantize_fc2_input(act_buf, I, rows, expert_offsets + w.E);

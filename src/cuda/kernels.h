@@ -99,9 +99,23 @@ struct LoraShrink1Params {
   float* st1 = nullptr;
   int st_stride = 0;
   int* error_flag = nullptr;
-  // Tiled routed shrink (plan.lora_shrink1_tiled): the per-token kernel then leaves the routed outputs of
-  // per-expert A1s to lora_shrink1_tiled_kernel, run after the permutation over GEMM1's row tiles.
+  // plan.lora_shrink_tiled: the routed outputs of per-expert A1s are left to launch_lora_shrink_tiled, after the
+  // permutation (this kernel still checks the slots and does shared A1s and the shared expert).
   bool routed_in_tiles = false;
+};
+
+// A routed shrink over GEMM1's row tiles (plan.lora_shrink_tiled): t[entry][i] = bf16(in_row . A_{slot,e}[i]) for
+// every permuted row whose token has an adapter with this projection; in_row = in[entry / k] (gather: x) or
+// in[row] (the permuted activations a). Same bits as the per-token / per-row kernels.
+struct LoraTiledShrinkParams {
+  const LoraSlot* table = nullptr;
+  const int32_t* token_slot = nullptr;
+  int which = kLoraGateUp;
+  const uint16_t* in = nullptr;
+  bool gather = false;
+  int K = 0, k = 1;
+  float* t = nullptr;
+  int t_stride = 0;
   const int32_t* tile_info = nullptr;
   const int32_t* expert_offsets = nullptr;
   const int32_t* row_entry = nullptr;
@@ -246,7 +260,7 @@ void launch_gemm2(int config, WeightFormat fmt, const GemmProblem& g, const Epil
 void launch_quantize(const QuantizeParams& p, cudaStream_t stream);
 void launch_combine(const CombineParams& p, cudaStream_t stream);
 void launch_lora_shrink1(const LoraShrink1Params& p, int threads, cudaStream_t stream);
-void launch_lora_shrink1_tiled(const LoraShrink1Params& p, int threads, cudaStream_t stream);
+void launch_lora_shrink_tiled(const LoraTiledShrinkParams& p, cudaStream_t stream);
 void launch_lora_shrink2(const LoraShrink2Params& p, int threads, cudaStream_t stream);
 
 // Throws Error(CudaError naming `what`; OutOfMemory for allocation failures) when e != cudaSuccess.

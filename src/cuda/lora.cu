@@ -17,7 +17,7 @@ constexpr bool tiles_fit() {
     if (c.bm > kMaxTileRows) return false;
   return true;
 }
-static_assert(tiles_fit(), "lora_shrink1_tiled_kernel keeps a tile's rows in shared memory");
+static_assert(tiles_fit(), "lora_shrink_tiled_kernel keeps a tile's rows in shared memory");
 
 __device__ __forceinline__ float lo_bf16(uint32_t w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float hi_bf16(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
@@ -124,13 +124,13 @@ __device__ __forceinline__ void warp_dot_rows(const uint16_t* const xr[kRunRows]
   }
 }
 
-// The routed gate_up shrink over GEMM1's row tiles (plan.lora_shrink1_tiled), after the permutation: a tile's rows
-// are one expert's, ordered by adapter slot (order_by_adapter_kernel), so a run of rows with one slot shares
-// A1_{slot,e}. The per-token kernel read that A once per (token, slot) entry: kimi_k3_tp8 T=1024 with eight rank-16
+// The routed shrinks over GEMM1's row tiles (plan.lora_shrink_tiled), after the permutation: a tile's rows are
+// one expert's, ordered by adapter slot (order_by_adapter_kernel), so a run of rows with one slot shares
+// A_{slot,e}. The per-token kernel read A1 once per (token, slot) entry: kimi_k3_tp8 T=1024 with eight rank-16
 // adapters touched 940 MB of A1 rows for 352 MB of distinct ones (ncu: 235 us). Each output is the warp dot of
-// warp_dot_bf16 (same bits as the per-token kernel, so both kernels give a row the same t1). The blocks of
-// gridDim.y share a tile's outputs, a warp one output row i of A at a time.
-__global__ void lora_shrink1_tiled_kernel(LoraShrink1Params p) {
+// warp_dot_bf16 (the per-token / per-row kernels' bits). The blocks of gridDim.y share a tile's outputs, a warp
+// one row i of A at a time.
+__global__ void lora_shrink_tiled_kernel(LoraTiledShrinkParams p) {
   __shared__ int s_slot[kMaxTileRows], s_entry[kMaxTileRows];
   const int tile = static_cast<int>(blockIdx.x);
   if (tile >= p.tile_info[2 * p.max_tiles]) return;  // fewer tiles than the plan's bound
@@ -148,18 +148,23 @@ __global__ void lora_shrink1_tiled_kernel(LoraShrink1Params p) {
     const int slot = s_slot[r0];
     int r1 = r0 + 1;
     while (r1 < n && r1 - r0 < kRunRows && s_slot[r1] == slot) ++r1;
-    const LoraProj gu = slot >= 0 ? p.table[slot].proj[kLoraGateUp] : LoraProj{};
-    if (gu.r > 0 && !gu.a_shared) {  // a shared A1 (SharedOuter) is the per-token kernel's, once per token
+    const LoraProj pj = slot >= 0 ? p.table[slot].proj[p.which] : LoraProj{};
+    // A shared A1 (SharedOuter gate_up) is the per-token kernel's: one t row per token.
+    if (pj.r > 0 && !(pj.a_shared && p.which == kLoraGateUp)) {
       const uint16_t* xr[kRunRows];
 #pragma unroll
-      for (int j = 0; j < kRunRows; ++j) xr[j] = p.x + static_cast<int64_t>(s_entry[r0 + (j < r1 - r0 ? j : 0)] / p.k) * p.H;
-      for (int i = warp; i < gu.r; i += nwarps) {
+      for (int j = 0; j < kRunRows; ++j) {
+        const int r = r0 + (j < r1 - r0 ? j : 0);
+        xr[j] = p.in + static_cast<int64_t>(p.gather ? s_entry[r] / p.k : row0 + r) * p.K;
+      }
+      const uint16_t* A = pj.A + static_cast<int64_t>(pj.a_shared ? 0 : e) * pj.r * p.K;
+      for (int i = warp; i < pj.r; i += nwarps) {
         float v[kRunRows];
-        warp_dot_rows(xr, r1 - r0, gu.A + (static_cast<int64_t>(e) * gu.r + i) * p.H, p.H, lane, v);
+        warp_dot_rows(xr, r1 - r0, A + static_cast<int64_t>(i) * p.K, p.K, lane, v);
         if (lane == 0) {
 #pragma unroll
           for (int j = 0; j < kRunRows; ++j)
-            if (j < r1 - r0) p.t1[static_cast<int64_t>(s_entry[r0 + j]) * p.t1_stride + i] = round_bf16(v[j]);
+            if (j < r1 - r0) p.t[static_cast<int64_t>(s_entry[r0 + j]) * p.t_stride + i] = round_bf16(v[j]);
         }
       }
     }
@@ -198,11 +203,11 @@ void launch_lora_shrink1(const LoraShrink1Params& p, int threads, cudaStream_t s
   check_launch("lora_shrink1_kernel");
 }
 
-void launch_lora_shrink1_tiled(const LoraShrink1Params& p, int threads, cudaStream_t stream) {
+void launch_lora_shrink_tiled(const LoraTiledShrinkParams& p, cudaStream_t stream) {
   if (p.max_tiles <= 0) return;
-  // Two blocks a tile: a rank-16 A1 gives each of 8 warps two output rows.
-  lora_shrink1_tiled_kernel<<<dim3(static_cast<unsigned>(p.max_tiles), 2u), threads, 0, stream>>>(p);
-  check_launch("lora_shrink1_tiled_kernel");
+  // 8 warps a block, two blocks a tile: each warp two rows of a rank-16 A.
+  lora_shrink_tiled_kernel<<<dim3(static_cast<unsigned>(p.max_tiles), 2u), 256, 0, stream>>>(p);
+  check_launch("lora_shrink_tiled_kernel");
 }
 
 void launch_lora_shrink2(const LoraShrink2Params& p, int threads, cudaStream_t stream) {
