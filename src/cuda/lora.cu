@@ -92,28 +92,42 @@ __global__ void lora_shrink1_kernel(LoraShrink1Params p) {
 }
 
 // Up to kRunRows rows of x against one row of A: per row the chain and the butterfly of warp_dot_bf16 (the same
-// bits), one read of the A row for all of them. n rows: x rows xr[0..n).
-constexpr int kRunRows = 8;
+// bits: each lane's chunks c = lane, lane + 32, ... in order), one read of the A row for all of them. The loads of
+// kUnroll chunks are issued before their multiply-adds: one load in flight a warp left the first version of this
+// kernel latency-bound (ncu, kimi T=1024: 270 us against the per-token kernel's 235).
+constexpr int kRunRows = 4, kUnroll = 4;
 __device__ __forceinline__ void warp_dot_rows(const uint16_t* const xr[kRunRows], int n, const uint16_t* a, int K, int lane,
                                               float out[kRunRows]) {
   float acc[kRunRows];
 #pragma unroll
   for (int j = 0; j < kRunRows; ++j) acc[j] = 0.f;
   const int chunks = K >> 3;
-  for (int c = lane; c < chunks; c += 32) {
-    const uint4 av = *reinterpret_cast<const uint4*>(a + c * 8);
+  for (int c0 = lane; c0 < chunks; c0 += 32 * kUnroll) {
+    uint4 av[kUnroll], xv[kRunRows][kUnroll];
 #pragma unroll
-    for (int j = 0; j < kRunRows; ++j) {
-      if (j >= n) break;
-      const uint4 xv = *reinterpret_cast<const uint4*>(xr[j] + c * 8);
-      acc[j] = __fmaf_rn(lo_bf16(xv.x), lo_bf16(av.x), acc[j]);
-      acc[j] = __fmaf_rn(hi_bf16(xv.x), hi_bf16(av.x), acc[j]);
-      acc[j] = __fmaf_rn(lo_bf16(xv.y), lo_bf16(av.y), acc[j]);
-      acc[j] = __fmaf_rn(hi_bf16(xv.y), hi_bf16(av.y), acc[j]);
-      acc[j] = __fmaf_rn(lo_bf16(xv.z), lo_bf16(av.z), acc[j]);
-      acc[j] = __fmaf_rn(hi_bf16(xv.z), hi_bf16(av.z), acc[j]);
-      acc[j] = __fmaf_rn(lo_bf16(xv.w), lo_bf16(av.w), acc[j]);
-      acc[j] = __fmaf_rn(hi_bf16(xv.w), hi_bf16(av.w), acc[j]);
+    for (int u = 0; u < kUnroll; ++u) {
+      const int c = c0 + 32 * u;
+      if (c < chunks) av[u] = *reinterpret_cast<const uint4*>(a + c * 8);
+#pragma unroll
+      for (int j = 0; j < kRunRows; ++j)
+        if (j < n && c < chunks) xv[j][u] = *reinterpret_cast<const uint4*>(xr[j] + c * 8);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (c0 + 32 * u >= chunks) break;
+#pragma unroll
+      for (int j = 0; j < kRunRows; ++j) {
+        if (j >= n) break;
+        const uint4 x4 = xv[j][u], a4 = av[u];
+        acc[j] = __fmaf_rn(lo_bf16(x4.x), lo_bf16(a4.x), acc[j]);
+        acc[j] = __fmaf_rn(hi_bf16(x4.x), hi_bf16(a4.x), acc[j]);
+        acc[j] = __fmaf_rn(lo_bf16(x4.y), lo_bf16(a4.y), acc[j]);
+        acc[j] = __fmaf_rn(hi_bf16(x4.y), hi_bf16(a4.y), acc[j]);
+        acc[j] = __fmaf_rn(lo_bf16(x4.z), lo_bf16(a4.z), acc[j]);
+        acc[j] = __fmaf_rn(hi_bf16(x4.z), hi_bf16(a4.z), acc[j]);
+        acc[j] = __fmaf_rn(lo_bf16(x4.w), lo_bf16(a4.w), acc[j]);
+        acc[j] = __fmaf_rn(hi_bf16(x4.w), hi_bf16(a4.w), acc[j]);
+      }
     }
   }
 #pragma unroll
@@ -128,47 +142,66 @@ __device__ __forceinline__ void warp_dot_rows(const uint16_t* const xr[kRunRows]
 // one expert's, ordered by adapter slot (order_by_adapter_kernel), so a run of rows with one slot shares
 // A_{slot,e}. The per-token kernel read A1 once per (token, slot) entry: kimi_k3_tp8 T=1024 with eight rank-16
 // adapters touched 940 MB of A1 rows for 352 MB of distinct ones (ncu: 235 us). Each output is the warp dot of
-// warp_dot_bf16 (the per-token / per-row kernels' bits). The blocks of gridDim.y share a tile's outputs, a warp
-// one row i of A at a time.
+// warp_dot_bf16 (the per-token / per-row kernels' bits). Work items (run of <= kRunRows rows, row i of A) are
+// spread over the warps of the tile's gridDim.y blocks.
 __global__ void lora_shrink_tiled_kernel(LoraTiledShrinkParams p) {
-  __shared__ int s_slot[kMaxTileRows], s_entry[kMaxTileRows];
+  __shared__ int s_entry[kMaxTileRows], s_run0[kMaxTileRows + 1], s_item0[kMaxTileRows + 1];
+  __shared__ LoraProj s_proj[kMaxTileRows];
+  __shared__ int s_runs;
   const int tile = static_cast<int>(blockIdx.x);
   if (tile >= p.tile_info[2 * p.max_tiles]) return;  // fewer tiles than the plan's bound
   const int e = p.tile_info[2 * tile], row0 = p.tile_info[2 * tile + 1];
   const int n = min(p.bm, p.expert_offsets[e + 1] - row0);
+  __shared__ int s_slot[kMaxTileRows];
   for (int i = threadIdx.x; i < n; i += blockDim.x) {
     const int entry = p.row_entry[row0 + i];
     s_entry[i] = entry;
     s_slot[i] = p.token_slot[entry / p.k];
   }
   __syncthreads();
+  if (threadIdx.x == 0) {  // runs of one slot (at most kRunRows rows) and their first work item
+    int runs = 0, items = 0;
+    for (int r0 = 0; r0 < n;) {
+      const int slot = s_slot[r0];
+      int r1 = r0 + 1;
+      while (r1 < n && r1 - r0 < kRunRows && s_slot[r1] == slot) ++r1;
+      LoraProj pj = slot >= 0 ? p.table[slot].proj[p.which] : LoraProj{};
+      // A shared A1 (SharedOuter gate_up) is the per-token kernel's: one t row per token.
+      if (pj.r <= 0 || (pj.a_shared && p.which == kLoraGateUp)) pj.r = 0;
+      s_run0[runs] = r0;
+      s_item0[runs] = items;
+      s_proj[runs] = pj;
+      items += pj.r;
+      ++runs;
+      r0 = r1;
+    }
+    s_run0[runs] = n;
+    s_item0[runs] = items;
+    s_runs = runs;
+  }
+  __syncthreads();
+  const int runs = s_runs, items = s_item0[runs];
   const int lane = threadIdx.x & 31, nwarps = (blockDim.x >> 5) * gridDim.y;
   const int warp = static_cast<int>(blockIdx.y) * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  for (int r0 = 0; r0 < n;) {
-    const int slot = s_slot[r0];
-    int r1 = r0 + 1;
-    while (r1 < n && r1 - r0 < kRunRows && s_slot[r1] == slot) ++r1;
-    const LoraProj pj = slot >= 0 ? p.table[slot].proj[p.which] : LoraProj{};
-    // A shared A1 (SharedOuter gate_up) is the per-token kernel's: one t row per token.
-    if (pj.r > 0 && !(pj.a_shared && p.which == kLoraGateUp)) {
-      const uint16_t* xr[kRunRows];
+  int run = 0;
+  for (int item = warp; item < items; item += nwarps) {  // warp-uniform
+    while (s_item0[run + 1] <= item) ++run;
+    const LoraProj& pj = s_proj[run];
+    const int i = item - s_item0[run], r0 = s_run0[run], cnt = s_run0[run + 1] - r0;
+    const uint16_t* xr[kRunRows];
 #pragma unroll
-      for (int j = 0; j < kRunRows; ++j) {
-        const int r = r0 + (j < r1 - r0 ? j : 0);
-        xr[j] = p.in + static_cast<int64_t>(p.gather ? s_entry[r] / p.k : row0 + r) * p.K;
-      }
-      const uint16_t* A = pj.A + static_cast<int64_t>(pj.a_shared ? 0 : e) * pj.r * p.K;
-      for (int i = warp; i < pj.r; i += nwarps) {
-        float v[kRunRows];
-        warp_dot_rows(xr, r1 - r0, A + static_cast<int64_t>(i) * p.K, p.K, lane, v);
-        if (lane == 0) {
-#pragma unroll
-          for (int j = 0; j < kRunRows; ++j)
-            if (j < r1 - r0) p.t[static_cast<int64_t>(s_entry[r0 + j]) * p.t_stride + i] = round_bf16(v[j]);
-        }
-      }
+    for (int j = 0; j < kRunRows; ++j) {
+      const int r = r0 + (j < cnt ? j : 0);
+      xr[j] = p.in + static_cast<int64_t>(p.gather ? s_entry[r] / p.k : row0 + r) * p.K;
     }
-    r0 = r1;
+    const uint16_t* arow = pj.A + (static_cast<int64_t>(pj.a_shared ? 0 : e) * pj.r + i) * p.K;
+    float v[kRunRows];
+    warp_dot_rows(xr, cnt, arow, p.K, lane, v);
+    if (lane == 0) {
+#pragma unroll
+      for (int j = 0; j < kRunRows; ++j)
+        if (j < cnt) p.t[static_cast<int64_t>(s_entry[r0 + j]) * p.t_stride + i] = round_bf16(v[j]);
+    }
   }
 }
 
@@ -205,8 +238,8 @@ void launch_lora_shrink1(const LoraShrink1Params& p, int threads, cudaStream_t s
 
 void launch_lora_shrink_tiled(const LoraTiledShrinkParams& p, cudaStream_t stream) {
   if (p.max_tiles <= 0) return;
-  // 8 warps a block, two blocks a tile: each warp two rows of a rank-16 A.
-  lora_shrink_tiled_kernel<<<dim3(static_cast<unsigned>(p.max_tiles), 2u), 256, 0, stream>>>(p);
+  // 4 warps a block, 4 blocks a tile: 16 warps share the tile's (run, A row) items.
+  lora_shrink_tiled_kernel<<<dim3(static_cast<unsigned>(p.max_tiles), 4u), 128, 0, stream>>>(p);
   check_launch("lora_shrink_tiled_kernel");
 }
 

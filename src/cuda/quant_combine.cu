@@ -51,7 +51,6 @@ __global__ void quantize_rows_kernel(QuantizeParams p) {
   const int row = blockIdx.x;
   if (p.row_count && row >= *p.row_count) return;  // rows the permutation did not fill
   const uint16_t* x = p.x + static_cast<int64_t>(row) * p.ldx;
-  uint16_t* y = p.out + static_cast<int64_t>(row) * p.K;
   float gs = p.gs;
   {
     __shared__ float red[32];
