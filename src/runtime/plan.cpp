@@ -176,7 +176,7 @@ MoePlan make_plan(const ProblemShape& shape) {
     p.lora_r1_stride = 2 * p.lora_rank;
     p.lora_r2_stride = p.lora_rank;
     p.lora_shrink1_threads = 128;
-    p.lora_shrink_tiled = avg_rows >= 8;
+    p.lora_shrink_tiled = avg_rows >= 20;
     p.lora_shrink2_threads = 128;
     p.lora_slot = L.take(Tc * 4);
     p.lora_t1 = L.take(R * p.lora_r1_stride * 4);
