@@ -43,7 +43,7 @@ _FIELDS = ["name", "H", "I", "E", "k", "routing", "n_group", "topk_group", "rsf"
            "clamp", "E_loc"]
 DEFAULT_TOKENS = [1, 8, 64, 256, 1024, 4096, 16384]
 N_ADAPTERS, RANK = 8, 16
-MAX_GROUPS = 1024  # groups per torch._grouped_mm call on CUDA ("Can't process more than 1024 groups")
+MAX_GROUPS = 1023  # groups per torch._grouped_mm call on CUDA: its check is group_count < 1024 ("Can't process more than 1024 groups")
 
 
 def load_shapes():
