@@ -707,10 +707,6 @@ void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& a
     e1.defaults = defaults;
     e1.act_out = act_out;
     e1.lora = expand(lora_t1, plan.lora_r1_stride, kLoraGateUp);
-    // A4: the FC2 input rounding in GEMM1's epilogue (one launch less); with LoRA the shrink of a needs the
-    // unrounded a, so the quantize kernel does it after that shrink.
-    const bool fused_fc2_quant = a4 && !lora;
-    if (fused_fc2_quant) e1.fc2_gs = 1.f / args.fc2_input_scale;
     g1 = with_split(g1, plan.split1);
     launch_gemm1(plan.gemm_config, w.format, s.activation, g1, e1, static_cast<int>(plan.n1_tiles),
                  static_cast<int>(plan.max_m_tiles), stream);
@@ -740,7 +736,7 @@ void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& a
     else if (lora) shrink_act(act_buf, I, rows, kLoraDown, lora_t2, true);
 
     // 5. A4: a -> NVFP4 values with the FC2 input encode scale.
-    if (a4 && !fused_fc2_quant) quantize_fc2_input(act_buf, I, rows, expert_offsets + w.E);
+    if (a4) quantize_fc2_input(act_buf, I, rows, expert_offsets + w.E);
 
     // 6. GEMM2: o per (token, slot) entry.
     GemmProblem g2 = with_split(g1, plan.split2);

@@ -80,12 +80,11 @@ struct Epilogue1 {
     rc.a_odd = __fmul_rn(x.s_odd, rs);
     return rc;
   }
-  // The activations of one column pair as bf16 bits (also written to act_out when asked): gated, a[0] at
-  // j = col / 2; otherwise a[0], a[1] at col, col + 1.
   template <class Act>
-  __device__ __forceinline__ static void act_pair(const Params& p, const ExpertCtx& x, const RowCtx& rc, int col, float c0,
-                                                  float c1, float l0, float l1, uint16_t a[2]) {
-    const int e = x.e, entry = rc.entry;
+  __device__ __forceinline__ static void pair(const Params& p, const ExpertCtx& x, const RowCtx& rc, int col, float c0,
+                                              float c1, float l0, float l1) {
+    if (col >= p.N1) return;
+    const int e = x.e, r = rc.r, entry = rc.entry;
     float h0 = __fmul_rn(c0, rc.a_even);
     float h1 = __fmul_rn(c1, rc.a_odd);
     if (p.bias) {
@@ -105,10 +104,9 @@ struct Epilogue1 {
       // The LoRA delta, always added (+0 for base rows).
       h0 = __fadd_rn(h0, l0);
       h1 = __fadd_rn(h1, l1);
-      const uint16_t b = dev::f32_to_bf16(Act::apply(h0, h1, x.prm));
-      if (p.act_out) p.act_out[static_cast<int64_t>(entry) * p.I + j] = b;
-      a[0] = b;
-      a[1] = 0;
+      const uint16_t a = dev::f32_to_bf16(Act::apply(h0, h1, x.prm));
+      p.out[static_cast<int64_t>(r) * p.I + j] = a;
+      if (p.act_out) p.act_out[static_cast<int64_t>(entry) * p.I + j] = a;
     } else {
       float d0 = 0.f, d1 = 0.f;
       if (p.delta) {
@@ -120,60 +118,19 @@ struct Epilogue1 {
       h1 = __fadd_rn(h1, d1);
       h0 = __fadd_rn(h0, l0);
       h1 = __fadd_rn(h1, l1);
-      const uint16_t b0 = dev::f32_to_bf16(Act::apply(h0, 0.f, x.prm)), b1 = dev::f32_to_bf16(Act::apply(h1, 0.f, x.prm));
+      const uint32_t a = static_cast<uint32_t>(dev::f32_to_bf16(Act::apply(h0, 0.f, x.prm))) |
+                         (static_cast<uint32_t>(dev::f32_to_bf16(Act::apply(h1, 0.f, x.prm))) << 16);
+      *reinterpret_cast<uint32_t*>(p.out + static_cast<int64_t>(r) * p.I + col) = a;
       if (p.act_out) {  // the caller's tensor may be only 2-byte aligned
-        p.act_out[static_cast<int64_t>(entry) * p.I + col] = b0;
-        p.act_out[static_cast<int64_t>(entry) * p.I + col + 1] = b1;
+        p.act_out[static_cast<int64_t>(entry) * p.I + col] = static_cast<uint16_t>(a & 0xffffu);
+        p.act_out[static_cast<int64_t>(entry) * p.I + col + 1] = static_cast<uint16_t>(a >> 16);
       }
-      a[0] = b0;
-      a[1] = b1;
     }
-  }
-  template <class Act>
-  __device__ __forceinline__ static void pair(const Params& p, const ExpertCtx& x, const RowCtx& rc, int col, float c0,
-                                              float c1, float l0, float l1) {
-    if (col >= p.N1) return;
-    uint16_t a[2];
-    act_pair<Act>(p, x, rc, col, c0, c1, l0, l1, a);
-    if constexpr (kGatedAct<Act>) {
-      p.out[static_cast<int64_t>(rc.r) * p.I + (col >> 1)] = a[0];
-    } else {
-      *reinterpret_cast<uint32_t*>(p.out + static_cast<int64_t>(rc.r) * p.I + col) = a[0] | (static_cast<uint32_t>(a[1]) << 16);
-    }
-  }
-  // A4 without LoRA (Params::fc2_gs != 0): the kernels round each 16-value block of a row to NVFP4 with the FC2
-  // input encode scale (quantize_blocks_kernel's arithmetic, nvfp4_device.cuh) and write that instead of a.
-  static constexpr bool kFusedQuant = true;
-  __device__ __forceinline__ static bool fused_quant(const Params& p) { return p.fc2_gs != 0.f; }
-  __device__ __forceinline__ static void store_quant(const Params& p, int r, int j, float v) {
-    p.out[static_cast<int64_t>(r) * p.I + j] = dev::f32_to_bf16(v);
   }
 };
 
-// The block of 16 activations a row spread over lanes (4 a lane, in v[4]; the lanes of a block are those whose
-// lane bits `mask_bits` differ), NVFP4-rounded in place with encode scale gs: amax and the non-finite flag are
-// combined over the lanes (xor shuffles over mask_bits: every lane of the warp takes part), then each lane rounds
-// its own values.
-template <int kLaneBit0, int kLaneBit1>
-__device__ __forceinline__ void fused_quant_block(float v[4], float gs) {
-  float amax = 0.f;
-  bool non_finite = false;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) dev::fake_quant_amax(v[i], amax, non_finite);
-  int nf = non_finite;
-#pragma unroll
-  for (int off : {kLaneBit0, kLaneBit1}) {
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-    nf |= __shfl_xor_sync(0xffffffffu, nf, off);
-  }
-  const float sfv = dev::fake_quant_scale(amax, nf != 0, gs);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) v[i] = dev::fake_quant_value(v[i], gs, sfv);
-}
-
 struct Epilogue2 {
   using Params = Epilogue2Params;
-  static constexpr bool kFusedQuant = false;
   struct ExpertCtx {
     float s;
     int e;
@@ -260,43 +217,6 @@ __device__ __forceinline__ void tile_epilogue(const typename Epi::Params& p, con
           if (rr[1].slot == s) { dl[nt][2] = dev::round_to_bf16(d[2]); dl[nt][3] = dev::round_to_bf16(d[3]); }
         }
       });
-    }
-    if constexpr (Epi::kFusedQuant) {
-      if (Epi::fused_quant(p)) {  // A4 without LoRA: a rounded to NVFP4 here (fused_quant_block)
-        // A row's activations of this warp lie on the 4 lanes of its gq, 4 each: gated, nt -> j = col / 2 (one
-        // block); otherwise nt, pair -> col + {0, 1} (nt 0-1 and nt 2-3: two blocks).
-        static_assert(Cfg::WTN == 32 && Cfg::NT == 4, "a warp's 32 columns: one gated block or two blocks of 16");
-        uint16_t av[2][Cfg::NT][2] = {};
-#pragma unroll
-        for (int nt = 0; nt < Cfg::NT; ++nt) {
-          const int col = n0 + wn * Cfg::WTN + nt * 8 + 2 * t;
-#pragma unroll
-          for (int half = 0; half < 2; ++half)
-            if (valid[half] && col < N)
-              Epi::template act_pair<Act>(p, x, rc[half], col, ml.acc[mt][nt][2 * half], ml.acc[mt][nt][2 * half + 1],
-                                          dl[nt][2 * half], dl[nt][2 * half + 1], av[half][nt]);
-        }
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-#pragma unroll
-          for (int blk = 0; blk < (kGatedAct<Act> ? 1 : 2); ++blk) {
-            float v[4];
-#pragma unroll
-            for (int q = 0; q < 4; ++q)
-              v[q] = dev::bf16_to_f32(kGatedAct<Act> ? av[half][q][0] : av[half][2 * blk + (q >> 1)][q & 1]);
-            fused_quant_block<1, 2>(v, p.fc2_gs);
-            const int col0 = n0 + wn * Cfg::WTN + 16 * blk;
-            if (valid[half] && col0 < N) {
-#pragma unroll
-              for (int q = 0; q < 4; ++q) {
-                const int col = kGatedAct<Act> ? n0 + wn * Cfg::WTN + q * 8 + 2 * t : col0 + (q >> 1) * 8 + 2 * t + (q & 1);
-                Epi::store_quant(p, rc[half].r, kGatedAct<Act> ? col >> 1 : col, v[q]);
-              }
-            }
-          }
-        }
-        continue;
-      }
     }
 #pragma unroll
     for (int nt = 0; nt < Cfg::NT; ++nt) {

@@ -248,57 +248,6 @@ __global__ void __launch_bounds__(Cfg::THREADS) skinny_gemm_kernel(GemmProblem g
         nb[r][q] = __shfl_down_sync(0xffffffffu, acc[i * RG + r][q], 4);
         dn[r][q] = __shfl_down_sync(0xffffffffu, dl[r][q], 4);
       }
-    if constexpr (Epi::kFusedQuant) {
-      if (Epi::fused_quant(ep)) {  // A4 without LoRA: a rounded to NVFP4 here (gemm_grouped.cuh fused_quant_block)
-        // A token's 16 consecutive activations of this warp lie on the lanes of its t with even gq, 4 each:
-        // gated (r, h) -> j = n0/2 + 8r + gq/2 + 4h, one block; otherwise (r: a block) h, pair -> col + 8h + {0, 1}.
-        static_assert(RG == 2, "a warp's 32 weight rows: one gated block, or one block per row group");
-        uint16_t av[2][RG][2][2] = {};
-        bool valid[2];
-        int rows[2];
-#pragma unroll
-        for (int tk = 0; tk < 2; ++tk) {
-          rows[tk] = tr.row0 + i * 8 + 2 * t + tk;
-          valid[tk] = (gq & 1) == 0 && rows[tk] < tr.row_end;
-          if (!valid[tk]) continue;
-          const auto rc = Epi::row_ctx(ep, g, x, rows[tk]);
-#pragma unroll
-          for (int r = 0; r < RG; ++r)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              const int col = n0 + 16 * r + gq + 8 * h;
-              if (col < N)
-                Epi::template act_pair<Act>(ep, x, rc, col, acc[i * RG + r][2 * h + tk], nb[r][2 * h + tk], dl[r][2 * h + tk],
-                                            dn[r][2 * h + tk], av[tk][r][h]);
-            }
-        }
-#pragma unroll
-        for (int tk = 0; tk < 2; ++tk) {
-          if constexpr (kGatedAct<Act>) {
-            float v[4] = {dev::bf16_to_f32(av[tk][0][0][0]), dev::bf16_to_f32(av[tk][0][1][0]), dev::bf16_to_f32(av[tk][1][0][0]),
-                          dev::bf16_to_f32(av[tk][1][1][0])};
-            fused_quant_block<8, 16>(v, ep.fc2_gs);
-            if (valid[tk] && n0 < N) {
-#pragma unroll
-              for (int q = 0; q < 4; ++q) Epi::store_quant(ep, rows[tk], (n0 + 16 * (q >> 1) + gq + 8 * (q & 1)) >> 1, v[q]);
-            }
-          } else {
-#pragma unroll
-            for (int r = 0; r < RG; ++r) {
-              float v[4] = {dev::bf16_to_f32(av[tk][r][0][0]), dev::bf16_to_f32(av[tk][r][0][1]), dev::bf16_to_f32(av[tk][r][1][0]),
-                            dev::bf16_to_f32(av[tk][r][1][1])};
-              fused_quant_block<8, 16>(v, ep.fc2_gs);
-              const int col = n0 + 16 * r + gq;
-              if (valid[tk] && col < N) {
-#pragma unroll
-                for (int q = 0; q < 4; ++q) Epi::store_quant(ep, rows[tk], col + 8 * (q >> 1) + (q & 1), v[q]);
-              }
-            }
-          }
-        }
-        continue;
-      }
-    }
     if ((gq & 1) == 0) {  // no early exit: the next group's expand needs every lane converged
 #pragma unroll
       for (int tk = 0; tk < 2; ++tk) {

@@ -207,8 +207,6 @@ struct Epilogue1Params {
   uint16_t* act_out = nullptr;       // bf16 [entries][I] bridge or null
   int I = 0, N1 = 0;
   LoraExpandParams lora;             // + bf16(t . B1_e^T) before the activation
-  float fc2_gs = 0.f;                // A4 without LoRA: out = a rounded to NVFP4 with this FC2 input encode scale
-                                     // (per 16 values of a row); 0: out = a (bf16)
 };
 
 // GEMM2 epilogue: o = acc * (s2[e] * in_scale) (+bias) + down LoRA delta (+0 without), f32 [entries][H].

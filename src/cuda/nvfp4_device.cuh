@@ -71,38 +71,37 @@ __device__ __forceinline__ float e2m1_value(uint32_t mag) {
   return e == 0 ? 0.5f * static_cast<float>(m) : __uint_as_float(((e + 126u) << 23) | (m << 22));
 }
 
-// The NVFP4 fake quantization of a 16-value block (quantize_block of src/format/nvfp4.cpp): amax over finite
-// values, a block with a NaN or Inf gets the NaN scale (decodes to NaN), sf = e4m3((gs * amax) / 6),
-// q = e2m1((x * gs) / sf), value e2m1 * sf (no global scale; exact in bf16). In two halves, so that a block spread
-// over lanes (the GEMM1 epilogue's fused A4 rounding) and one thread's block (the quantize kernels) share them.
-// fake_quant_scale: the decoded block scale sf, NaN for a non-finite block.
-__device__ __forceinline__ float fake_quant_scale(float amax, bool non_finite, float gs) {
-  if (non_finite) return __uint_as_float(0x7fffffffu);
-  return e4m3_to_f32(f32_to_e4m3_satfinite(__fdiv_rn(__fmul_rn(gs, amax), 6.0f)));
-}
-__device__ __forceinline__ float fake_quant_value(float x, float gs, float sfv) {
-  if (isnan(sfv)) return sfv;
-  if (sfv == 0.f) return 0.f;
-  const float q = __fdiv_rn(__fmul_rn(x, gs), sfv);
-  const float v = e2m1_value(e2m1_magnitude(fabsf(q))) * sfv;
-  return signbit(q) ? -v : v;
-}
-// |x| into a block's (finite amax, non-finite) pair.
-__device__ __forceinline__ void fake_quant_amax(float x, float& amax, bool& non_finite) {
-  const float a = fabsf(x);
-  if (!isfinite(a)) non_finite = true;
-  else amax = fmaxf(amax, a);
-}
-
-// One thread's block: y[i] = the decoded NVFP4 value of x[i].
+// Quantizes 16 values with encode scale gs and writes their decoded NVFP4 values e2m1 * e4m3 (no global
+// scale; exact in bf16) — quantize_block of src/format/nvfp4.cpp: amax over finite values, a block with a
+// NaN or Inf gets the NaN scale (decodes to NaN), sf = e4m3((gs * amax) / 6), q = e2m1((x * gs) / sf).
 __device__ __forceinline__ void fake_quant_block16(const float x[16], float gs, float y[16]) {
   float amax = 0.f;
   bool non_finite = false;
 #pragma unroll
-  for (int i = 0; i < 16; ++i) fake_quant_amax(x[i], amax, non_finite);
-  const float sfv = fake_quant_scale(amax, non_finite, gs);
+  for (int i = 0; i < 16; ++i) {
+    const float a = fabsf(x[i]);
+    if (!isfinite(a)) non_finite = true;
+    else amax = fmaxf(amax, a);
+  }
+  if (non_finite) {
 #pragma unroll
-  for (int i = 0; i < 16; ++i) y[i] = fake_quant_value(x[i], gs, sfv);
+    for (int i = 0; i < 16; ++i) y[i] = __uint_as_float(0x7fffffffu);
+    return;
+  }
+  const float t = __fmul_rn(gs, amax);
+  const uint32_t sf = f32_to_e4m3_satfinite(__fdiv_rn(t, 6.0f));
+  const float sfv = e4m3_to_f32(sf);
+  if (sfv == 0.f) {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) y[i] = 0.f;
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const float q = __fdiv_rn(__fmul_rn(x[i], gs), sfv);
+    const float v = e2m1_value(e2m1_magnitude(fabsf(q))) * sfv;
+    y[i] = signbit(q) ? -v : v;
+  }
 }
 
 }  // namespace fp4moe::cuda_backend::dev

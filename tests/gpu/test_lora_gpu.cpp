@@ -353,38 +353,6 @@ void invariants(ActMode mode) {
 TEST(GpuLoraInvariants, BitIdentityA16) { FP4MOE_SKIP_WITHOUT_GPU(); invariants(ActMode::A16); }
 TEST(GpuLoraInvariants, BitIdentityA4) { FP4MOE_SKIP_WITHOUT_GPU(); invariants(ActMode::A4); }
 
-// ---- A4: the FC2 input rounding fused into GEMM1's epilogue (no LoRA) gives the quantize kernel's bits (the LoRA
-// path, which rounds after the shrink of a: an empty registry, every token base), on each tile kind, gated and not --
-TEST(GpuA4Fusion, FusedRoundingEqualsQuantizeKernel) {
-  FP4MOE_SKIP_WITHOUT_GPU();
-  for (ActivationType at : {ActivationType::Situ, ActivationType::Relu2}) {
-    for (int64_t T : {3, 40, 100}) {  // 8 T rows over 16 experts: 1.5, 20, 50 an expert
-      Case c;
-      c.shape = model("kimi_k3_tp8");
-      c.shape.activation = at;
-      if (at == ActivationType::Situ) { c.shape.alpha = 4.f; c.shape.beta = 25.f; }
-      c.E_loc = c.E_total = 16;
-      c.T = T;
-      c.mode = ActMode::A4;
-      c.seed = 70 + static_cast<uint64_t>(T);
-      ProblemShape ps;
-      ps.T = c.T; ps.H = c.shape.H; ps.I = c.shape.I; ps.E_loc = c.E_loc; ps.E_total = c.E_total; ps.k = c.shape.k;
-      ps.activation = at;
-      const int config = make_plan(ps).gemm_config;
-      EXPECT_EQ(config, T == 3 ? 0 : (T == 40 ? 1 : 2)) << "the cases should cover every tile kind";
-      auto layer = make_layer(c);
-      Registries R(*layer, 2);
-      Inputs in = make_inputs(c);
-      LoraCall call{make_gpu_call(c, in, *layer), DevBuf()};
-      const std::vector<uint16_t> fused = call.run(*layer, nullptr, {});
-      const std::vector<uint16_t> separate = call.run(*layer, R.gpu.get(), std::vector<int32_t>(static_cast<size_t>(T), -1));
-      EXPECT_EQ(count_poison(fused), 0);
-      EXPECT_EQ(fused, separate) << to_string(at) << " T=" << T << " (tile config " << config << ")";
-    }
-  }
-  EXPECT_NO_THROW(check_device_errors(0));
-}
-
 // ---- adapter ids only on the GPU: out of range or naming an empty slot -> dropped to base and flagged -------
 TEST(GpuLoraDeviceErrors, BadAdapterIdsSetFlag) {
   FP4MOE_SKIP_WITHOUT_GPU();
