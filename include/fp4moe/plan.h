@@ -134,9 +134,11 @@ constexpr int64_t kMaxHidden = int64_t(1) << 20;  // H, I: keeps every per-row i
 constexpr int64_t kMaxLoraRank = 64;              // an adapter's r (SPEC §5)
 
 // The canonical K order of the GEMMs (src/cuda/gemm_mainloop.cuh): chains over chunks of kKChunk, chunk sums
-// added in order. Split-K aims at kSplitTargetBlocks blocks (two per SM of an H200) when a grid is smaller.
+// added in order. Split-K aims at kSplitTargetBlocks blocks (four per SM of an H200) when a grid is smaller: against
+// two per SM, kimi_k3_tp8 T=1 41.8 -> 40.3 us (LoRA 58.5 -> 55.7), T=8 98.5 -> 96.4; qwen3 unchanged (H200,
+// bench/results/2026-11-30-h200-session5-dev run 8).
 constexpr int64_t kKChunk = 512;
-constexpr int64_t kSplitTargetBlocks = 264;
+constexpr int64_t kSplitTargetBlocks = 528;
 
 constexpr int kNumGemmConfigs = 3;
 inline constexpr GemmConfig kGemmConfigs[kNumGemmConfigs] = {
