@@ -110,9 +110,9 @@ struct MoePlan {
   int64_t lora_r1_stride = 0;     // 2R: row stride (elements) of lora_t1
   int64_t lora_r2_stride = 0;     // R: row stride of lora_t2, lora_shared_t1, lora_shared_t2
   int lora_shrink1_threads = 0;   // shrink of x: blocks of warps, one warp per output
-  bool lora_shrink_tiled = false;  // the routed shrinks (of x and of a) per GEMM1 row tile, from 20 rows an expert on
-                                   // average: one read of an adapter's A rows serves the tile's run of rows with that
-                                   // adapter (H200, 8 adapters: kimi 21 rows -4 %, qwen3 16 rows +2 %, 64+ rows -2..-9 %)
+  bool lora_shrink_tiled = false;  // the routed shrinks (of x and of a) per GEMM1 row tile, with many rows an expert
+                                   // and many tiles (plan.cpp): one read of an adapter's A rows serves the tile's run
+                                   // of rows with that adapter
   int lora_shrink2_threads = 0;   // shrink of a: one block per GEMM1 output row
   WorkspaceBuffer lora_slot;      // i32 [chunk]: each token's checked adapter slot (-1 = base or dropped)
   WorkspaceBuffer lora_t1;        // f32 [rows, 2R] by entry t*k + j (SharedOuter: row t*k for the token)

@@ -7,7 +7,6 @@
 
 #include "cuda/kernels.h"
 #include "cuda/nvfp4_device.cuh"
-#include "cuda/pdl.cuh"
 
 namespace fp4moe::cuda_backend {
 namespace {
@@ -47,8 +46,6 @@ __device__ __forceinline__ float warp_dot_bf16(const uint16_t* x, const uint16_t
 __device__ __forceinline__ float round_bf16(float v) { return dev::bf16_to_f32(dev::f32_to_bf16(v)); }
 
 __global__ void lora_shrink1_kernel(LoraShrink1Params p) {
-  dev::pdl_wait();
-  dev::pdl_launch_dependents();
   const int t = static_cast<int>(blockIdx.x);
   __shared__ int s_slot;
   if (threadIdx.x == 0) {
@@ -148,8 +145,6 @@ __device__ __forceinline__ void warp_dot_rows(const uint16_t* const xr[kRunRows]
 // warp_dot_bf16 (the per-token / per-row kernels' bits). Work items (run of <= kRunRows rows, row i of A) are
 // spread over the warps of the tile's gridDim.y blocks.
 __global__ void lora_shrink_tiled_kernel(LoraTiledShrinkParams p) {
-  dev::pdl_wait();
-  dev::pdl_launch_dependents();
   __shared__ int s_entry[kMaxTileRows], s_run0[kMaxTileRows + 1], s_item0[kMaxTileRows + 1];
   __shared__ LoraProj s_proj[kMaxTileRows];
   __shared__ int s_runs;
@@ -211,8 +206,6 @@ __global__ void lora_shrink_tiled_kernel(LoraTiledShrinkParams p) {
 }
 
 __global__ void lora_shrink2_kernel(LoraShrink2Params p) {
-  dev::pdl_wait();
-  dev::pdl_launch_dependents();
   const int row = static_cast<int>(blockIdx.x);
   if (p.row_count && row >= *p.row_count) return;  // rows the permutation did not fill
   int entry = row, token = row, e = 0;
@@ -239,20 +232,21 @@ __global__ void lora_shrink2_kernel(LoraShrink2Params p) {
 void launch_lora_shrink1(const LoraShrink1Params& p, int threads, cudaStream_t stream) {
   if (p.T <= 0) return;
   const int warps = threads / 32, per_token = std::max(1, (p.max_outputs + warps - 1) / warps);
-  launch_pdl(lora_shrink1_kernel, dim3(static_cast<unsigned>(p.T), static_cast<unsigned>(per_token)), dim3(threads), 0, stream,
-             "lora_shrink1_kernel", p);
+  lora_shrink1_kernel<<<dim3(static_cast<unsigned>(p.T), static_cast<unsigned>(per_token)), threads, 0, stream>>>(p);
+  check_launch("lora_shrink1_kernel");
 }
 
 void launch_lora_shrink_tiled(const LoraTiledShrinkParams& p, cudaStream_t stream) {
   if (p.max_tiles <= 0) return;
   // 4 warps a block, 4 blocks a tile: 16 warps share the tile's (run, A row) items.
-  launch_pdl(lora_shrink_tiled_kernel, dim3(static_cast<unsigned>(p.max_tiles), 4u), dim3(128), 0, stream,
-             "lora_shrink_tiled_kernel", p);
+  lora_shrink_tiled_kernel<<<dim3(static_cast<unsigned>(p.max_tiles), 4u), 128, 0, stream>>>(p);
+  check_launch("lora_shrink_tiled_kernel");
 }
 
 void launch_lora_shrink2(const LoraShrink2Params& p, int threads, cudaStream_t stream) {
   if (p.rows <= 0) return;
-  launch_pdl(lora_shrink2_kernel, dim3(static_cast<unsigned>(p.rows)), dim3(threads), 0, stream, "lora_shrink2_kernel", p);
+  lora_shrink2_kernel<<<static_cast<unsigned>(p.rows), threads, 0, stream>>>(p);
+  check_launch("lora_shrink2_kernel");
 }
 
 }  // namespace fp4moe::cuda_backend

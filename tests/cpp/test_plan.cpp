@@ -144,8 +144,9 @@ void check_plan(const ProblemShape& s, std::mt19937_64& rng) {
     EXPECT_GE(p.lora_shrink2_threads, 32);
     EXPECT_LE(p.lora_shrink1_threads, 1024);
     EXPECT_LE(p.lora_shrink2_threads, 1024);
-    // The tiled routed shrinks (one A read per run of rows with one adapter) from 20 rows an expert on average.
-    EXPECT_EQ(p.lora_shrink_tiled, cdiv(p.rows, s.E_loc) >= 20);
+    // The tiled routed shrinks (one A read per run of rows with one adapter): 20 local rows an expert, 300 tiles.
+    const int64_t E_total = s.E_total == 0 ? s.E_loc : s.E_total, local = cdiv(p.rows * s.E_loc, E_total);
+    EXPECT_EQ(p.lora_shrink_tiled, cdiv(local, s.E_loc) >= 20 && cdiv(local, p.gemm.bm) + s.E_loc >= 300);
   } else {
     EXPECT_FALSE(p.lora_shrink_tiled);
   }
