@@ -2,8 +2,9 @@
 # The closing H200 call of a session (kind nvidia-h200-x2, from an unpacked `git archive` with carried binaries in
 # BIN): the single-GPU tests (FILTER), per-kernel times of one call at T=1 and T=64 (ncu), the full
 # `fp4moe bench` (every SPEC §1 shape, T = 1 .. 16384, with and without LoRA), the torch._grouped_mm bf16 baseline
-# in the same call with the ratio table, the plots (one tar), and — on the second GPU's machine — the Python
-# distributed test (extension built in the background). At most 8 files come back; the rest is removed.
+# in the same call with the ratio table, the plots, SiTU vs SwiGLU and A4 vs A16 (variant_bench.sh: its table goes to
+# the summary, its JSON with the plots into plots.tar), and — on the second GPU's machine — the Python distributed
+# test (extension built in the background). At most 8 files come back; the rest is removed.
 set -u
 BUDGET=${BUDGET:-540}
 . "$(dirname "$0")/lib.sh"
@@ -37,8 +38,9 @@ if [ -s "$OUT/fp4moe.json" ]; then
   [ -s "$OUT/torch.json" ] && TB="--torch $OUT/torch.json"
   python3 bench/plot.py "$OUT/fp4moe.json" $TB --out "$OUT/plots" > "$OUT/plot.log" 2>&1
   say "== plots rc=$?: $(ls "$OUT/plots" 2>/dev/null | tr '\n' ' ')"
-  (cd "$OUT" && tar -cf plots.tar plots && rm -rf plots)
 fi
+OUT="$OUT/variants" S="$S" BIN="$BIN" t0="$t0" BUDGET="$BUDGET" bash "$(dirname "$0")/variant_bench.sh" > /dev/null
+(cd "$OUT" && tar -cf plots.tar $(ls -d plots variants 2>/dev/null) && rm -rf plots variants)
 
 wait $pybuild
 tail -1 /tmp/py-build.log | tee -a "$S"
