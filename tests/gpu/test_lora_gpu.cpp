@@ -353,6 +353,56 @@ void invariants(ActMode mode) {
 TEST(GpuLoraInvariants, BitIdentityA16) { FP4MOE_SKIP_WITHOUT_GPU(); invariants(ActMode::A16); }
 TEST(GpuLoraInvariants, BitIdentityA4) { FP4MOE_SKIP_WITHOUT_GPU(); invariants(ActMode::A4); }
 
+// ---- the tiled LoRA shrinks (many rows an expert, many tiles: plan.lora_shrink_tiled) give the per-token and per-row
+// kernels' bits: a 2400-token batch (tiled) against sub-batches of its tokens (per-token), every layout mixed -------
+TEST(GpuLoraInvariants, TiledShrinkEqualsPerTokenShrink) {
+  FP4MOE_SKIP_WITHOUT_GPU();
+  Case c;
+  c.shape = model("kimi_k3_tp8");
+  c.E_loc = c.E_total = 16;
+  c.T = 2400;  // 19200 rows: 1200 an expert, 316 tiles of 64
+  c.seed = 91;
+  auto plan_of = [&](int64_t T) {
+    ProblemShape ps;
+    ps.T = T; ps.H = c.shape.H; ps.I = c.shape.I; ps.E_loc = c.E_loc; ps.E_total = c.E_total; ps.k = c.shape.k;
+    ps.activation = c.shape.activation; ps.has_lora = true; ps.max_lora_rank = 64;
+    return make_plan(ps);
+  };
+  ASSERT_TRUE(plan_of(c.T).lora_shrink_tiled) << "the full batch should take the tiled shrinks";
+  ASSERT_EQ(plan_of(c.T).num_chunks, 1);
+  ASSERT_FALSE(plan_of(7).lora_shrink_tiled) << "the 7-token sub-batch should take the per-token shrinks";
+  auto layer = make_layer(c);
+  Registries R(*layer, 4);
+  R.load(0, *layer, {LoraLayout::PeftFused, 16, false, false, 501});
+  R.load(1, *layer, {LoraLayout::PerExpert, 64, false, false, 502});
+  R.load(2, *layer, {LoraLayout::SharedOuter, 8, false, false, 503});
+  Inputs in = make_inputs(c);
+  LoraCall call{make_gpu_call(c, in, *layer), DevBuf()};
+  const std::vector<int32_t> ids = cycle_ids(c.T, 3);  // -1, 0, 1, 2
+  const std::vector<uint16_t> y = call.run(*layer, R.gpu.get(), ids);
+  EXPECT_EQ(count_poison(y), 0);
+  const int64_t H = in.H;
+  const std::vector<int64_t> sub = {1, 2, 3, 4, 6, 1201, 2399};
+  Case cs = c;
+  cs.T = static_cast<int64_t>(sub.size());
+  Inputs is = in;
+  is.T = cs.T;
+  is.x.clear();
+  is.logits.clear();
+  std::vector<int32_t> sids;
+  for (int64_t t : sub) {
+    is.x.insert(is.x.end(), in.x.begin() + t * H, in.x.begin() + (t + 1) * H);
+    is.logits.insert(is.logits.end(), in.logits.begin() + t * in.E_total, in.logits.begin() + (t + 1) * in.E_total);
+    sids.push_back(ids[t]);
+  }
+  LoraCall sc{make_gpu_call(cs, is, *layer), DevBuf()};
+  const std::vector<uint16_t> ys = sc.run(*layer, R.gpu.get(), sids);
+  for (size_t i = 0; i < sub.size(); ++i)
+    EXPECT_TRUE(std::equal(ys.begin() + i * H, ys.begin() + (i + 1) * H, y.begin() + sub[i] * H))
+        << "token " << sub[i] << " (slot " << ids[sub[i]] << "): tiled and per-token shrinks differ";
+  EXPECT_NO_THROW(check_device_errors(0));
+}
+
 // ---- adapter ids only on the GPU: out of range or naming an empty slot -> dropped to base and flagged -------
 TEST(GpuLoraDeviceErrors, BadAdapterIdsSetFlag) {
   FP4MOE_SKIP_WITHOUT_GPU();
