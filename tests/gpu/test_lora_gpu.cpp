@@ -277,6 +277,30 @@ TEST(GpuLora, KimiSharedExpertLoraA16) { FP4MOE_SKIP_WITHOUT_GPU(); kimi_shared_
 TEST(GpuLora, KimiSharedExpertLoraA4) { FP4MOE_SKIP_WITHOUT_GPU(); kimi_shared_case(ActMode::A4, "kimi shared-expert LoRA A4"); }
 
 // ---- bit-identity invariants ------------------------------------------------------------------------------
+// The tokens `sub` of a batch (inputs in, adapter ids ids, output y) run alone as one batch: each must give its row
+// of y bit for bit (what: the failure message's end).
+void expect_sub_batch_equal(const Case& c, const Inputs& in, const Layer& layer, Registries& R, const std::vector<int32_t>& ids,
+                            const std::vector<int64_t>& sub, const std::vector<uint16_t>& y, const std::string& what) {
+  const int64_t H = in.H;
+  Case cs = c;
+  cs.T = static_cast<int64_t>(sub.size());
+  Inputs is = in;
+  is.T = cs.T;
+  is.x.clear();
+  is.logits.clear();
+  std::vector<int32_t> sids;
+  for (int64_t t : sub) {
+    is.x.insert(is.x.end(), in.x.begin() + t * H, in.x.begin() + (t + 1) * H);
+    is.logits.insert(is.logits.end(), in.logits.begin() + t * in.E_total, in.logits.begin() + (t + 1) * in.E_total);
+    sids.push_back(ids[t]);
+  }
+  LoraCall sc{make_gpu_call(cs, is, layer), DevBuf()};
+  const std::vector<uint16_t> ys = sc.run(layer, R.gpu.get(), sids);
+  for (size_t i = 0; i < sub.size(); ++i)
+    EXPECT_TRUE(std::equal(ys.begin() + i * H, ys.begin() + (i + 1) * H, y.begin() + sub[i] * H))
+        << "token " << sub[i] << " (slot " << ids[sub[i]] << ") differs " << what;
+}
+
 void invariants(ActMode mode) {
   Case c;
   c.shape = model("qwen3_30b_a3b");
@@ -328,25 +352,8 @@ void invariants(ActMode mode) {
   EXPECT_EQ(call.run(*layer, R.gpu.get(), ids), y_reload) << "unloading an unused slot changed the output" << m;
 
   // Sub-batches: a token's bits do not depend on the other tokens nor on their adapters.
-  for (const std::vector<int64_t>& sub : {std::vector<int64_t>{2}, std::vector<int64_t>{1, 3, 9, 40}}) {
-    Case cs = c;
-    cs.T = static_cast<int64_t>(sub.size());
-    Inputs is = in;
-    is.T = cs.T;
-    is.x.clear();
-    is.logits.clear();
-    std::vector<int32_t> sids;
-    for (int64_t t : sub) {
-      is.x.insert(is.x.end(), in.x.begin() + t * H, in.x.begin() + (t + 1) * H);
-      is.logits.insert(is.logits.end(), in.logits.begin() + t * in.E_total, in.logits.begin() + (t + 1) * in.E_total);
-      sids.push_back(ids[t]);
-    }
-    LoraCall sc{make_gpu_call(cs, is, *layer), DevBuf()};
-    const std::vector<uint16_t> ys = sc.run(*layer, R.gpu.get(), sids);
-    for (size_t i = 0; i < sub.size(); ++i)
-      EXPECT_TRUE(std::equal(ys.begin() + i * H, ys.begin() + (i + 1) * H, y_reload.begin() + sub[i] * H))
-          << "token " << sub[i] << " (slot " << ids[sub[i]] << ") differs in a sub-batch" << m;
-  }
+  for (const std::vector<int64_t>& sub : {std::vector<int64_t>{2}, std::vector<int64_t>{1, 3, 9, 40}})
+    expect_sub_batch_equal(c, in, *layer, R, ids, sub, y_reload, "in a sub-batch" + m);
   EXPECT_NO_THROW(check_device_errors(0));
 }
 
@@ -381,25 +388,7 @@ TEST(GpuLoraInvariants, TiledShrinkEqualsPerTokenShrink) {
   const std::vector<int32_t> ids = cycle_ids(c.T, 3);  // -1, 0, 1, 2
   const std::vector<uint16_t> y = call.run(*layer, R.gpu.get(), ids);
   EXPECT_EQ(count_poison(y), 0);
-  const int64_t H = in.H;
-  const std::vector<int64_t> sub = {1, 2, 3, 4, 6, 1201, 2399};
-  Case cs = c;
-  cs.T = static_cast<int64_t>(sub.size());
-  Inputs is = in;
-  is.T = cs.T;
-  is.x.clear();
-  is.logits.clear();
-  std::vector<int32_t> sids;
-  for (int64_t t : sub) {
-    is.x.insert(is.x.end(), in.x.begin() + t * H, in.x.begin() + (t + 1) * H);
-    is.logits.insert(is.logits.end(), in.logits.begin() + t * in.E_total, in.logits.begin() + (t + 1) * in.E_total);
-    sids.push_back(ids[t]);
-  }
-  LoraCall sc{make_gpu_call(cs, is, *layer), DevBuf()};
-  const std::vector<uint16_t> ys = sc.run(*layer, R.gpu.get(), sids);
-  for (size_t i = 0; i < sub.size(); ++i)
-    EXPECT_TRUE(std::equal(ys.begin() + i * H, ys.begin() + (i + 1) * H, y.begin() + sub[i] * H))
-        << "token " << sub[i] << " (slot " << ids[sub[i]] << "): tiled and per-token shrinks differ";
+  expect_sub_batch_equal(c, in, *layer, R, ids, {1, 2, 3, 4, 6, 1201, 2399}, y, "with the per-token shrinks");
   EXPECT_NO_THROW(check_device_errors(0));
 }
 
