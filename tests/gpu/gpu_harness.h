@@ -192,6 +192,19 @@ struct GpuCall {
   MoeArgs args;
 };
 
+// The tokens `sub` of a batch's inputs as a batch of their own (x and logits; not precomputed ids, weights or delta).
+inline Inputs sub_inputs(const Inputs& in, const std::vector<int64_t>& sub) {
+  Inputs is = in;
+  is.T = static_cast<int64_t>(sub.size());
+  is.x.clear();
+  is.logits.clear();
+  for (int64_t t : sub) {
+    is.x.insert(is.x.end(), in.x.begin() + t * in.H, in.x.begin() + (t + 1) * in.H);
+    is.logits.insert(is.logits.end(), in.logits.begin() + t * in.E_total, in.logits.begin() + (t + 1) * in.E_total);
+  }
+  return is;
+}
+
 inline std::unique_ptr<GpuCall> make_gpu_call(const Case& c, const Inputs& in, const Layer& l) {
   auto g = std::make_unique<GpuCall>();
   const int64_t T = in.T, H = in.H, k = in.k;

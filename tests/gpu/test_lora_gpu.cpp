@@ -284,16 +284,9 @@ void expect_sub_batch_equal(const Case& c, const Inputs& in, const Layer& layer,
   const int64_t H = in.H;
   Case cs = c;
   cs.T = static_cast<int64_t>(sub.size());
-  Inputs is = in;
-  is.T = cs.T;
-  is.x.clear();
-  is.logits.clear();
+  const Inputs is = sub_inputs(in, sub);
   std::vector<int32_t> sids;
-  for (int64_t t : sub) {
-    is.x.insert(is.x.end(), in.x.begin() + t * H, in.x.begin() + (t + 1) * H);
-    is.logits.insert(is.logits.end(), in.logits.begin() + t * in.E_total, in.logits.begin() + (t + 1) * in.E_total);
-    sids.push_back(ids[t]);
-  }
+  for (int64_t t : sub) sids.push_back(ids[t]);
   LoraCall sc{make_gpu_call(cs, is, layer), DevBuf()};
   const std::vector<uint16_t> ys = sc.run(layer, R.gpu.get(), sids);
   for (size_t i = 0; i < sub.size(); ++i)

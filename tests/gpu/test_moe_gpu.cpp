@@ -236,14 +236,7 @@ TEST(GpuBatchInvariance, SubBatchesEqualFullBatch) {
     for (const std::vector<int64_t>& sub : {std::vector<int64_t>{5}, std::vector<int64_t>{5, 17, 40, 299}}) {
       Case cs = c;
       cs.T = static_cast<int64_t>(sub.size());
-      Inputs is = in;
-      is.T = cs.T;
-      is.x.clear();
-      is.logits.clear();
-      for (int64_t t : sub) {
-        is.x.insert(is.x.end(), in.x.begin() + t * in.H, in.x.begin() + (t + 1) * in.H);
-        is.logits.insert(is.logits.end(), in.logits.begin() + t * in.E_total, in.logits.begin() + (t + 1) * in.E_total);
-      }
+      const Inputs is = sub_inputs(in, sub);
       auto sc = make_gpu_call(cs, is, *layer);
       const auto ys = run_gpu(layer->gpu, *sc);
       for (size_t i = 0; i < sub.size(); ++i)
