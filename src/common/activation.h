@@ -96,15 +96,14 @@ FP4MOE_HD float tanh_fast(float v) {
 FP4MOE_HD double tanh_fast(double v) { return ::tanh(v); }
 FP4MOE_HD float sigmoid_fast(float v) { return div_fast(1.f, 1.f + exp_fast(-v)); }
 FP4MOE_HD double sigmoid_fast(double v) { return sigmoid(v); }
-FP4MOE_HD float div_situ(float a, float b) { return div_fast(a, b); }
-FP4MOE_HD double div_situ(double a, double b) { return a / b; }
+FP4MOE_HD double div_fast(double a, double b) { return a / b; }
 
 // SiTU (Kimi-K3): [alpha tanh(g/alpha) sigmoid(g)] * [beta tanh(u/beta)], optional clamp as Swiglu.
 struct Situ {
   template <class T> FP4MOE_HD static T apply(T g, T u, const Params& p) {
     if (p.has_limit) { g = min_(g, T(p.limit)); u = clampv(u, T(-p.limit), T(p.limit)); }
     T a = T(p.alpha), b = T(p.beta);
-    return (a * tanh_fast(div_situ(g, a)) * sigmoid_fast(g)) * (b * tanh_fast(div_situ(u, b)));
+    return (a * tanh_fast(div_fast(g, a)) * sigmoid_fast(g)) * (b * tanh_fast(div_fast(u, b)));
   }
 };
 
