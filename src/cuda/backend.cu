@@ -624,15 +624,14 @@ void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& a
       lp.E_loc = static_cast<int>(w.E);
       lp.local_offset = static_cast<int>(args.local_expert_offset);
       lp.shared_expert = sw != nullptr;
-      lp.max_outputs = static_cast<int>(max_shrink1_outputs);
+      lp.routed_in_tiles = plan.lora_shrink_tiled;
+      lp.max_outputs = static_cast<int>(lp.routed_in_tiles ? max_untiled_shrink1_outputs : max_shrink1_outputs);
       lp.token_slot = lora_slot;
       lp.t1 = lora_t1;
       lp.t1_stride = static_cast<int>(plan.lora_r1_stride);
       lp.st1 = lora_st1;
       lp.st_stride = static_cast<int>(plan.lora_r2_stride);
       lp.error_flag = err;
-      lp.routed_in_tiles = plan.lora_shrink_tiled;
-      if (lp.routed_in_tiles) lp.max_outputs = static_cast<int>(max_untiled_shrink1_outputs);
       launch_lora_shrink1(lp, plan.lora_shrink1_threads, stream);
     }
 

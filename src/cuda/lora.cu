@@ -22,25 +22,31 @@ static_assert(tiles_fit(), "lora_shrink_tiled_kernel keeps a tile's rows in shar
 __device__ __forceinline__ float lo_bf16(uint32_t w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float hi_bf16(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
 
+// One 8-element chunk of a lane's chain: acc += x[i] * a[i], i = 0..7 in order, fp32 FMA.
+__device__ __forceinline__ void fma_chunk8(float& acc, const uint4& xv, const uint4& av) {
+  acc = __fmaf_rn(lo_bf16(xv.x), lo_bf16(av.x), acc);
+  acc = __fmaf_rn(hi_bf16(xv.x), hi_bf16(av.x), acc);
+  acc = __fmaf_rn(lo_bf16(xv.y), lo_bf16(av.y), acc);
+  acc = __fmaf_rn(hi_bf16(xv.y), hi_bf16(av.y), acc);
+  acc = __fmaf_rn(lo_bf16(xv.z), lo_bf16(av.z), acc);
+  acc = __fmaf_rn(hi_bf16(xv.z), hi_bf16(av.z), acc);
+  acc = __fmaf_rn(lo_bf16(xv.w), lo_bf16(av.w), acc);
+  acc = __fmaf_rn(hi_bf16(xv.w), hi_bf16(av.w), acc);
+}
+// The lanes' partial sums added by a fixed butterfly: the same value in every lane.
+__device__ __forceinline__ float warp_sum(float acc) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, off));
+  return acc;
+}
+
 // sum_k x[k] * a[k] over K (a multiple of 8; x and a 16-byte aligned), fp32, same value in every lane.
 __device__ __forceinline__ float warp_dot_bf16(const uint16_t* x, const uint16_t* a, int K, int lane) {
   float acc = 0.f;
   const int chunks = K >> 3;
-  for (int c = lane; c < chunks; c += 32) {
-    const uint4 xv = *reinterpret_cast<const uint4*>(x + c * 8);
-    const uint4 av = *reinterpret_cast<const uint4*>(a + c * 8);
-    acc = __fmaf_rn(lo_bf16(xv.x), lo_bf16(av.x), acc);
-    acc = __fmaf_rn(hi_bf16(xv.x), hi_bf16(av.x), acc);
-    acc = __fmaf_rn(lo_bf16(xv.y), lo_bf16(av.y), acc);
-    acc = __fmaf_rn(hi_bf16(xv.y), hi_bf16(av.y), acc);
-    acc = __fmaf_rn(lo_bf16(xv.z), lo_bf16(av.z), acc);
-    acc = __fmaf_rn(hi_bf16(xv.z), hi_bf16(av.z), acc);
-    acc = __fmaf_rn(lo_bf16(xv.w), lo_bf16(av.w), acc);
-    acc = __fmaf_rn(hi_bf16(xv.w), hi_bf16(av.w), acc);
-  }
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, off));
-  return acc;
+  for (int c = lane; c < chunks; c += 32)
+    fma_chunk8(acc, *reinterpret_cast<const uint4*>(x + c * 8), *reinterpret_cast<const uint4*>(a + c * 8));
+  return warp_sum(acc);
 }
 
 __device__ __forceinline__ float round_bf16(float v) { return dev::bf16_to_f32(dev::f32_to_bf16(v)); }
@@ -118,24 +124,12 @@ __device__ __forceinline__ void warp_dot_rows(const uint16_t* const xr[kRunRows]
 #pragma unroll
       for (int j = 0; j < kRunRows; ++j) {
         if (j >= n) break;
-        const uint4 x4 = xv[j][u], a4 = av[u];
-        acc[j] = __fmaf_rn(lo_bf16(x4.x), lo_bf16(a4.x), acc[j]);
-        acc[j] = __fmaf_rn(hi_bf16(x4.x), hi_bf16(a4.x), acc[j]);
-        acc[j] = __fmaf_rn(lo_bf16(x4.y), lo_bf16(a4.y), acc[j]);
-        acc[j] = __fmaf_rn(hi_bf16(x4.y), hi_bf16(a4.y), acc[j]);
-        acc[j] = __fmaf_rn(lo_bf16(x4.z), lo_bf16(a4.z), acc[j]);
-        acc[j] = __fmaf_rn(hi_bf16(x4.z), hi_bf16(a4.z), acc[j]);
-        acc[j] = __fmaf_rn(lo_bf16(x4.w), lo_bf16(a4.w), acc[j]);
-        acc[j] = __fmaf_rn(hi_bf16(x4.w), hi_bf16(a4.w), acc[j]);
+        fma_chunk8(acc[j], xv[j][u], av[u]);
       }
     }
   }
 #pragma unroll
-  for (int j = 0; j < kRunRows; ++j) {
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) acc[j] = __fadd_rn(acc[j], __shfl_xor_sync(0xffffffffu, acc[j], off));
-    out[j] = acc[j];
-  }
+  for (int j = 0; j < kRunRows; ++j) out[j] = warp_sum(acc[j]);
 }
 
 // The routed shrinks over GEMM1's row tiles (plan.lora_shrink_tiled), after the permutation: a tile's rows are
@@ -145,14 +139,13 @@ __device__ __forceinline__ void warp_dot_rows(const uint16_t* const xr[kRunRows]
 // warp_dot_bf16 (the per-token / per-row kernels' bits). Work items (run of <= kRunRows rows, row i of A) are
 // spread over the warps of the tile's gridDim.y blocks.
 __global__ void lora_shrink_tiled_kernel(LoraTiledShrinkParams p) {
-  __shared__ int s_entry[kMaxTileRows], s_run0[kMaxTileRows + 1], s_item0[kMaxTileRows + 1];
+  __shared__ int s_entry[kMaxTileRows], s_slot[kMaxTileRows], s_run0[kMaxTileRows + 1], s_item0[kMaxTileRows + 1];
   __shared__ LoraProj s_proj[kMaxTileRows];
   __shared__ int s_runs;
   const int tile = static_cast<int>(blockIdx.x);
   if (tile >= p.tile_info[2 * p.max_tiles]) return;  // fewer tiles than the plan's bound
   const int e = p.tile_info[2 * tile], row0 = p.tile_info[2 * tile + 1];
   const int n = min(p.bm, p.expert_offsets[e + 1] - row0);
-  __shared__ int s_slot[kMaxTileRows];
   for (int i = threadIdx.x; i < n; i += blockDim.x) {
     const int entry = p.row_entry[row0 + i];
     s_entry[i] = entry;

@@ -51,31 +51,27 @@ __global__ void quantize_rows_kernel(QuantizeParams p) {
   const int row = blockIdx.x;
   if (p.row_count && row >= *p.row_count) return;  // rows the permutation did not fill
   const uint16_t* x = p.x + static_cast<int64_t>(row) * p.ldx;
-  float gs = p.gs;
-  {
-    __shared__ float red[32];
-    float amax = 0.f;
-    bool nan = false;
-    for (int i = threadIdx.x; i < p.K; i += blockDim.x) {
-      const float v = dev::bf16_to_f32(x[i]);
-      nan |= isnan(v);
-      amax = fmaxf(amax, fabsf(v));
-    }
-    if (__syncthreads_or(nan)) amax = NAN;
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = amax;
-    __syncthreads();
-    amax = 0.f;
-    for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) amax = fmaxf(amax, red[w]);
-    if (isnan(amax) || isinf(amax) || amax == 0.f) {
-      gs = 1.f;
-    } else {
-      gs = __fdiv_rn(448.f * 6.f, amax);
-      if (isinf(gs)) gs = 3.402823466e38f;
-    }
-    if (threadIdx.x == 0 && p.out_scale) p.out_scale[row] = __fdiv_rn(1.f, gs);
+  __shared__ float red[32];
+  float amax = 0.f;
+  bool nan = false;
+  for (int i = threadIdx.x; i < p.K; i += blockDim.x) {
+    const float v = dev::bf16_to_f32(x[i]);
+    nan |= isnan(v);
+    amax = fmaxf(amax, fabsf(v));
   }
+  if (__syncthreads_or(nan)) amax = NAN;
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = amax;
+  __syncthreads();
+  amax = 0.f;
+  for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) amax = fmaxf(amax, red[w]);
+  float gs = 1.f;
+  if (!(isnan(amax) || isinf(amax) || amax == 0.f)) {
+    gs = __fdiv_rn(448.f * 6.f, amax);
+    if (isinf(gs)) gs = 3.402823466e38f;
+  }
+  if (threadIdx.x == 0 && p.out_scale) p.out_scale[row] = __fdiv_rn(1.f, gs);
   for (int b = threadIdx.x; b < p.K / 16; b += blockDim.x) quantize_block(p, row, b, gs);
 }
 
