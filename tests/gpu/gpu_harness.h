@@ -192,6 +192,15 @@ struct GpuCall {
   MoeArgs args;
 };
 
+// The plan's view of a case (for make_plan / workspace_size).
+inline ProblemShape problem_shape(const Case& c) {
+  ProblemShape ps;
+  ps.T = c.T; ps.H = c.shape.H; ps.I = c.shape.I; ps.E_loc = c.E_loc; ps.E_total = c.E_total; ps.k = c.shape.k;
+  ps.activation = c.shape.activation; ps.gated = is_gated(c.shape.activation); ps.mode = c.mode; ps.format = c.format;
+  ps.has_shared = c.shared; ps.shared_I = c.shared_I;
+  return ps;
+}
+
 // The tokens `sub` of a batch's inputs as a batch of their own (x and logits; not precomputed ids, weights or delta).
 inline Inputs sub_inputs(const Inputs& in, const std::vector<int64_t>& sub) {
   Inputs is = in;

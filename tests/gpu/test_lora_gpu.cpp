@@ -363,9 +363,10 @@ TEST(GpuLoraInvariants, TiledShrinkEqualsPerTokenShrink) {
   c.T = 2400;  // 19200 rows: 1200 an expert, 316 tiles of 64
   c.seed = 91;
   auto plan_of = [&](int64_t T) {
-    ProblemShape ps;
-    ps.T = T; ps.H = c.shape.H; ps.I = c.shape.I; ps.E_loc = c.E_loc; ps.E_total = c.E_total; ps.k = c.shape.k;
-    ps.activation = c.shape.activation; ps.has_lora = true; ps.max_lora_rank = 64;
+    ProblemShape ps = problem_shape(c);
+    ps.T = T;
+    ps.has_lora = true;
+    ps.max_lora_rank = 64;
     return make_plan(ps);
   };
   ASSERT_TRUE(plan_of(c.T).lora_shrink_tiled) << "the full batch should take the tiled shrinks";
@@ -436,9 +437,7 @@ TEST(GpuLoraWorkspace, GivenWorkspaceAndChunks) {
   R.load(0, *layer, {LoraLayout::PeftFused, 16, false, false, 601});
   R.load(1, *layer, {LoraLayout::PerExpert, 8, false, false, 602});
   R.load(2, *layer, {LoraLayout::SharedOuter, 16, false, false, 603});
-  ProblemShape ps;
-  ps.T = c.T; ps.H = c.shape.H; ps.I = c.shape.I; ps.E_loc = c.E_loc; ps.E_total = c.E_total; ps.k = c.shape.k;
-  ps.activation = c.shape.activation;
+  ProblemShape ps = problem_shape(c);
   const size_t no_lora = workspace_size(ps);
   ps.has_lora = true;  // max_lora_rank 0: sized for rank 64
   const size_t with_lora = workspace_size(ps);

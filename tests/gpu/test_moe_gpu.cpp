@@ -164,10 +164,7 @@ TEST(GpuDeterminism, CallsStreamsGraphs) {
 
   // CUDA graph: capture one call (workspace given and internal), replay twice.
   for (int own_ws = 0; own_ws < 2; ++own_ws) {
-    ProblemShape ps;
-    ps.T = c.T; ps.H = c.shape.H; ps.I = c.shape.I; ps.E_loc = c.E_loc; ps.E_total = c.E_total; ps.k = c.shape.k;
-    ps.activation = c.shape.activation; ps.has_shared = true; ps.shared_I = c.shared_I;
-    DevBuf ws(workspace_size(ps));
+    DevBuf ws(workspace_size(problem_shape(c)));
     call->args.workspace = own_ws ? dview(ws, DType::U8, {static_cast<int64_t>(ws.bytes())}) : TensorView{};
     call->y.fill_byte(0xff);
     call->args.stream = s1;
@@ -346,10 +343,7 @@ TEST(GpuWorkspace, GivenWorkspace) {
   Inputs in = make_inputs(c);
   auto call = make_gpu_call(c, in, *layer);
   const auto y = run_gpu(layer->gpu, *call);
-  ProblemShape ps;
-  ps.T = c.T; ps.H = c.shape.H; ps.I = c.shape.I; ps.E_loc = 8; ps.E_total = 8; ps.k = c.shape.k;
-  ps.activation = c.shape.activation;
-  const size_t need = workspace_size(ps);
+  const size_t need = workspace_size(problem_shape(c));
   DevBuf small(need - 256), exact(need);
   call->args.workspace = dview(small, DType::U8, {static_cast<int64_t>(small.bytes())});
   try {
@@ -370,9 +364,7 @@ TEST(GpuChunks, LargeBatchChunked) {
   c.E_loc = c.E_total = 32;
   c.T = 9000;
   c.check_tokens = 12;
-  ProblemShape ps;
-  ps.T = c.T; ps.H = c.shape.H; ps.I = c.shape.I; ps.E_loc = 32; ps.k = 8; ps.activation = c.shape.activation;
-  EXPECT_GT(make_plan(ps).num_chunks, 1);
+  EXPECT_GT(make_plan(problem_shape(c)).num_chunks, 1);
   check_case(c, nullptr, "kimi chunked");
 }
 
