@@ -49,8 +49,6 @@ __device__ __forceinline__ float warp_dot_bf16(const uint16_t* x, const uint16_t
   return warp_sum(acc);
 }
 
-__device__ __forceinline__ float round_bf16(float v) { return dev::bf16_to_f32(dev::f32_to_bf16(v)); }
-
 __global__ void lora_shrink1_kernel(LoraShrink1Params p) {
   const int t = static_cast<int>(blockIdx.x);
   __shared__ int s_slot;
@@ -93,7 +91,7 @@ __global__ void lora_shrink1_kernel(LoraShrink1Params p) {
       dst = p.st1 + static_cast<int64_t>(t) * p.st_stride + i;
     }
     const float v = warp_dot_bf16(x, arow, p.H, lane);
-    if (lane == 0) *dst = round_bf16(v);
+    if (lane == 0) *dst = dev::round_to_bf16(v);
   }
 }
 
@@ -193,7 +191,7 @@ __global__ void lora_shrink_tiled_kernel(LoraTiledShrinkParams p) {
     if (lane == 0) {
 #pragma unroll
       for (int j = 0; j < kRunRows; ++j)
-        if (j < cnt) p.t[static_cast<int64_t>(s_entry[r0 + j]) * p.t_stride + i] = round_bf16(v[j]);
+        if (j < cnt) p.t[static_cast<int64_t>(s_entry[r0 + j]) * p.t_stride + i] = dev::round_to_bf16(v[j]);
     }
   }
 }
@@ -216,7 +214,7 @@ __global__ void lora_shrink2_kernel(LoraShrink2Params p) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   for (int i = warp; i < pj.r; i += nwarps) {
     const float v = warp_dot_bf16(a, A + static_cast<int64_t>(i) * p.K, p.K, lane);
-    if (lane == 0) p.t[static_cast<int64_t>(entry) * p.t_stride + i] = round_bf16(v);
+    if (lane == 0) p.t[static_cast<int64_t>(entry) * p.t_stride + i] = dev::round_to_bf16(v);
   }
 }
 

@@ -80,6 +80,4 @@ template <class AF, class BF> __device__ __forceinline__ void lora_mma(float d[4
   }
 }
 
-__device__ __forceinline__ float round_to_bf16(float v) { return bf16_to_f32(f32_to_bf16(v)); }
-
 }  // namespace fp4moe::cuda_backend::dev

@@ -109,7 +109,7 @@ __global__ void combine_kernel(CombineParams p) {
         if (e < 0 || e >= p.E_loc) continue;
         z = __fadd_rn(z, __fmul_rn(p.weights[entry], p.lora_t2[entry * p.lora_t2_stride + i]));
       }
-      s_z[i] = dev::bf16_to_f32(dev::f32_to_bf16(z));
+      s_z[i] = dev::round_to_bf16(z);
     }
     __syncthreads();
   }
@@ -155,7 +155,7 @@ __global__ void combine_kernel(CombineParams p) {
     const uint16_t* brow = b2 + static_cast<int64_t>(h + q) * r2;
     float d = 0.f;
     for (int i = 0; i < r2; ++i) d = __fadd_rn(d, __fmul_rn(s_z[i], dev::bf16_to_f32(brow[i])));
-    dy[q] = dev::bf16_to_f32(dev::f32_to_bf16(d));
+    dy[q] = dev::round_to_bf16(d);
   }
   if (p.y_f32) {
     float* y = p.y_f32 + static_cast<int64_t>(t) * p.H + h;
