@@ -130,6 +130,21 @@ __device__ __forceinline__ KRange k_range(int KB, int z, int splits) {
   return KRange{b, min(KB, b + per * kChunkBlocks)};
 }
 
+// A finished chunk's chain added to the running sums in chunk order (the first chunk starts them).
+template <int N> __device__ __forceinline__ void add_chunk(float (&acc)[N][4], const float (&part)[N][4], bool first) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int q = 0; q < 4; ++q) acc[i][q] = first ? part[i][q] : __fadd_rn(acc[i][q], part[i][q]);
+}
+// Prepared NVFP4 sums times kProductScale (format/nvfp4_prepared.h): the sums of the true products.
+template <int N> __device__ __forceinline__ void unscale_products(float (&acc)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int q = 0; q < 4; ++q) acc[i][q] *= nvfp4_prepared::kProductScale;
+}
+
 template <class Cfg> struct MainLoop {
   using C = Cfg;
   float acc[C::MT][C::NT][4];  // the sum over the chunks done
@@ -206,23 +221,14 @@ template <class Cfg> struct MainLoop {
           for (int nt = 0; nt < C::NT; ++nt) dev::mma_bf16_16816(part[mt][nt], afrag[mt], bfrag[nt][s]);
       }
       if (kb % kChunkBlocks == kChunkBlocks - 1 || kb == KB - 1) {  // chunk done: add it in chunk order
-        const bool first = kb < kChunkBlocks;
 #pragma unroll
-        for (int i = 0; i < C::MT; ++i)
-#pragma unroll
-          for (int j = 0; j < C::NT; ++j)
-#pragma unroll
-            for (int q = 0; q < 4; ++q) acc[i][j][q] = first ? part[i][j][q] : __fadd_rn(acc[i][j][q], part[i][j][q]);
+        for (int i = 0; i < C::MT; ++i) add_chunk(acc[i], part[i], kb < kChunkBlocks);
       }
     }
     dev::cp_async_wait<0>();
     if constexpr (C::FP4) {
 #pragma unroll
-      for (int i = 0; i < C::MT; ++i)
-#pragma unroll
-        for (int j = 0; j < C::NT; ++j)
-#pragma unroll
-          for (int q = 0; q < 4; ++q) acc[i][j][q] *= nvfp4_prepared::kProductScale;
+      for (int i = 0; i < C::MT; ++i) unscale_products(acc[i]);
     }
   }
 };

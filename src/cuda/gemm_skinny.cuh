@@ -154,11 +154,7 @@ __global__ void __launch_bounds__(Cfg::THREADS) skinny_gemm_kernel(GemmProblem g
 #pragma unroll
         for (int a = 0; a < ACCS; ++a) dst[a] = make_float4(part[a][0], part[a][1], part[a][2], part[a][3]);
       } else {
-        const bool first = kb < kChunkBlocks;
-#pragma unroll
-        for (int a = 0; a < ACCS; ++a)
-#pragma unroll
-          for (int q = 0; q < 4; ++q) acc[a][q] = first ? part[a][q] : __fadd_rn(acc[a][q], part[a][q]);
+        add_chunk(acc, part, kb < kChunkBlocks);
       }
     }
   }
@@ -187,12 +183,7 @@ __global__ void __launch_bounds__(Cfg::THREADS) skinny_gemm_kernel(GemmProblem g
       }
     }
   }
-  if constexpr (Cfg::FP4) {
-#pragma unroll
-    for (int a = 0; a < ACCS; ++a)
-#pragma unroll
-      for (int q = 0; q < 4; ++q) acc[a][q] *= nvfp4_prepared::kProductScale;
-  }
+  if constexpr (Cfg::FP4) unscale_products(acc);
 
   // Thread (g, t) holds out(token 2t + {0,1} of group i, weight rows n0 + 16r + g and + 8), and the LoRA delta of
   // the same fragment (lora_expand.cuh; here B_e rows are the A operand, the tokens' t rows the B operand), one
