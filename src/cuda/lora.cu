@@ -44,8 +44,11 @@ __device__ __forceinline__ float warp_sum(float acc) {
 __device__ __forceinline__ float warp_dot_bf16(const uint16_t* x, const uint16_t* a, int K, int lane) {
   float acc = 0.f;
   const int chunks = K >> 3;
-  for (int c = lane; c < chunks; c += 32)
-    fma_chunk8(acc, *reinterpret_cast<const uint4*>(x + c * 8), *reinterpret_cast<const uint4*>(a + c * 8));
+  for (int c = lane; c < chunks; c += 32) {
+    const uint4 xv = *reinterpret_cast<const uint4*>(x + c * 8);
+    const uint4 av = *reinterpret_cast<const uint4*>(a + c * 8);
+    fma_chunk8(acc, xv, av);
+  }
   return warp_sum(acc);
 }
 
