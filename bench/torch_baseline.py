@@ -248,7 +248,7 @@ def selftest(device):
             worst = max(worst, rel)
             ok &= good
             print(f"selftest {name:10s} lora={int(lora)}: rel L2 vs float64 loop {rel:.2e} {'ok' if good else 'FAIL'}")
-            if lora:  # the same adapters through calls of at most 5 groups (the CUDA limit is 1024)
+            if lora:  # the same adapters through calls of at most 5 groups (on CUDA: MAX_GROUPS)
                 torch.manual_seed(3)
                 mc = TorchMoe(sh, device, 7, lora, E_loc=E_loc, H=64, I=48, max_groups=5)
                 yc = mc.forward_routed(x, ids, w, aid, off).double().cpu()

@@ -81,7 +81,6 @@ struct Options {
   std::deque<std::string> variant_names;
 };
 
-
 // Throws std::invalid_argument with a message naming the option.
 Options parse_options(int argc, char** argv) {
   Options o;
