@@ -6,6 +6,7 @@
 
 #include "common/activation.h"
 #include "cuda/kernels.h"
+#include "cuda/mma.cuh"
 #include "cuda/nvfp4_device.cuh"
 #include "cuda/pdl.cuh"
 
@@ -30,10 +31,6 @@ __device__ __forceinline__ void warp_best(float& s, int& id) {
   }
 }
 
-constexpr int kMaxPerLane = 4096 / 32;  // plan.h kMaxExpertsRouting
-constexpr int kMaskWords = kMaxPerLane / 32;
-constexpr int kMaxRegsPerLane = 16;  // E <= 512: each lane keeps its candidates' scores in registers
-
 // Records winner bi of round j in the slot registers (slot j lives on lane j % 32).
 __device__ __forceinline__ void record_slot(int j, int bi, int my_id[2]) {
   if ((threadIdx.x & 31) != (j & 31)) return;
@@ -49,79 +46,54 @@ __device__ __forceinline__ uint32_t rank_key(float s) {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-// E <= 32 * R. Lane l's candidates are experts l + 32 i (i < R), their keys in registers. Each lane keeps its
-// best three available candidates in order (C slots; strict comparisons in id order, so the lower id first among
-// equal keys); a round is two warp max-reductions (redux.sync: the best key, then the lowest id among the lanes
-// that hold it) and the winner's pop. Only when a winner has used up its three does the warp rescan (rare: a lane
-// wins a third time). At T = 1 the routing kernel is one warp's instruction chain (ncu, H200: ~8.7 cycles an
-// instruction, kimi_k3_tp8 2289 instructions, 952 of them the rescans of a per-round local best).
-template <int R>
-__device__ __forceinline__ void topk_in_registers(const float* sel, int E, int k, uint32_t excluded, int my_id[2]) {
+// Top-k over keys[e] (0: not a candidate; taken candidates are set to 0). Lane l's candidates are experts
+// l + 32 i; it keeps its best three in order (strict comparisons in id order: the lower id first among equal
+// keys). A round is two warp max-reductions (redux.sync: the best key, then the lowest id among the lanes that
+// hold it) and the winner's pop; the warp rescans its keys only when a winner has used up its three (rare).
+__device__ __forceinline__ void topk_cached(uint32_t* keys, int E, int k, int my_id[2]) {
   constexpr int C = 3;
   const int lane = threadIdx.x & 31;
-  uint32_t key[R];  // read-only after this loop (taken candidates leave `avail`): stays in registers
-  uint32_t avail = 0;
-#pragma unroll
-  for (int i = 0; i < R; ++i) {
-    const int e = lane + 32 * i;
-    key[i] = e < E ? rank_key(sel[e]) : 0u;
-    if (e < E && !((excluded >> i) & 1u)) avail |= 1u << i;
-  }
   uint32_t ck[C];  // the cached candidates' keys, best first (0: none)
-  int ci[C];       // and their register indices
-  int depth = 0;   // cached entries that are still exact (the lane's best `depth` available candidates)
-  auto refill = [&] {
+  int ce[C];       // and their experts
+  int left = 0;    // candidates of this lane not taken yet
+  auto rescan = [&] {
 #pragma unroll
-    for (int c = 0; c < C; ++c) { ck[c] = 0; ci[c] = 0; }
-#pragma unroll
-    for (int i = 0; i < R; ++i) {
-      const uint32_t kk = ((avail >> i) & 1u) ? key[i] : 0u;
+    for (int c = 0; c < C; ++c) { ck[c] = 0; ce[c] = 0; }
+    left = 0;
+#pragma unroll 1
+    for (int e = lane; e < E; e += 32) {
+      const uint32_t kk = keys[e];
+      left += kk != 0;
       const bool g0 = kk > ck[0], g1 = kk > ck[1], g2 = kk > ck[2];
       ck[2] = g1 ? ck[1] : (g2 ? kk : ck[2]);
-      ci[2] = g1 ? ci[1] : (g2 ? i : ci[2]);
+      ce[2] = g1 ? ce[1] : (g2 ? e : ce[2]);
       ck[1] = g0 ? ck[0] : (g1 ? kk : ck[1]);
-      ci[1] = g0 ? ci[0] : (g1 ? i : ci[1]);
+      ce[1] = g0 ? ce[0] : (g1 ? e : ce[1]);
       ck[0] = g0 ? kk : ck[0];
-      ci[0] = g0 ? i : ci[0];
+      ce[0] = g0 ? e : ce[0];
     }
-    depth = min(C, __popc(avail));
   };
-  refill();
+  rescan();
+  int cached = min(C, left);  // exact cache entries (this lane's best `cached` candidates)
+#pragma unroll 1
   for (int j = 0; j < k; ++j) {
     const uint32_t best = __reduce_max_sync(0xffffffffu, ck[0]);
-    const uint32_t mine = best != 0 && ck[0] == best ? 0xffffu - static_cast<uint32_t>(lane + 32 * ci[0]) : 0u;
+    const uint32_t mine = best != 0 && ck[0] == best ? 0xffffu - static_cast<uint32_t>(ce[0]) : 0u;
     const uint32_t id = 0xffffu - __reduce_max_sync(0xffffffffu, mine);
     const int bi = best == 0 ? -1 : static_cast<int>(id);
     const bool won = bi >= 0 && (bi & 31) == lane;
     if (won) {
-      avail &= ~(1u << ci[0]);
+      keys[bi] = 0u;
 #pragma unroll
-      for (int c = 0; c + 1 < C; ++c) { ck[c] = ck[c + 1]; ci[c] = ci[c + 1]; }
+      for (int c = 0; c + 1 < C; ++c) { ck[c] = ck[c + 1]; ce[c] = ce[c + 1]; }
       ck[C - 1] = 0;
-      --depth;
+      --cached;
+      --left;
     }
-    if (__any_sync(0xffffffffu, won && depth == 0 && avail != 0)) refill();  // warp-uniform; exact for every lane
-    record_slot(j, bi, my_id);
-  }
-}
-
-// Any E: k sweeps over the scores in shared memory; the owner lane marks the winner taken.
-__device__ __forceinline__ void topk_from_shared(const float* sel, int E, int k, uint32_t excluded[kMaskWords],
-                                                 int my_id[2]) {
-  const int lane = threadIdx.x & 31;
-  const int per_lane = (E + 31) / 32;
-  for (int j = 0; j < k; ++j) {
-    float bs = 0.f;
-    int bi = -1;
-    for (int i = 0; i < per_lane; ++i) {
-      const int e = lane + 32 * i;
-      if (e >= E || ((excluded[i >> 5] >> (i & 31)) & 1)) continue;
-      if (bi < 0 || ranks_before(sel[e], e, bs, bi)) { bs = sel[e]; bi = e; }
-    }
-    warp_best(bs, bi);
-    if (bi >= 0 && (bi & 31) == lane) {
-      const int i = bi >> 5;
-      excluded[i >> 5] |= 1u << (i & 31);
+    if (__any_sync(0xffffffffu, won && cached == 0 && left > 0)) {  // warp-uniform; exact for every lane
+      __syncwarp();
+      rescan();
+      cached = min(C, left);
     }
     record_slot(j, bi, my_id);
   }
@@ -133,45 +105,45 @@ __device__ __forceinline__ float read_logit(const RoutingParams& p, int t, int e
                        : static_cast<const float*>(p.logits)[off];
 }
 
-// One token's routing on one warp. R > 0: E <= 32 R, the scores in R registers a lane (a size per E bucket, so
-// a small E runs no idle unrolled steps); R = 0: any E, the scores in shared memory only.
-template <int R>
-__device__ __forceinline__ void route_token(const RoutingParams& p, int t, float* sel, float* gsc) {
-  constexpr bool in_regs = R > 0;
-  constexpr int RR = in_regs ? R : 1;
+// One token's routing on one warp: sel[E] (scores), keys[E] (the bias first, then the top-k keys), gsc[64] (group
+// scores), all in this warp's shared memory. Written as rolled loops over shared memory on purpose: at T = 1 this
+// kernel is a single warp whose time follows the code it runs through, not its instruction count (ncu, H200,
+// kimi_k3_tp8: "no instruction" stalls ~64 % of the cycles; the fully unrolled register version with fewer
+// instructions but more code ran 12 -> 17 us).
+__device__ __forceinline__ void route_token(const RoutingParams& p, int t, float* sel, uint32_t* keys, float* gsc) {
   const int lane = threadIdx.x & 31;
   const int E = p.E, k = p.k;
   const auto method = static_cast<RoutingMethod>(p.method);
-
-  // Selection scores. In registers the logits (and the bias) are loaded first, all loads in flight at once: a
-  // decode step's routing is one warp's latency, not work.
   const bool with_bias = p.bias && (method == RoutingMethod::DeepSeekV3 || method == RoutingMethod::MiniMax2);
-  float l[RR], bias_r[RR];
-  float m = -INFINITY;
-  if constexpr (in_regs) {
-#pragma unroll
-    for (int i = 0; i < R; ++i) l[i] = lane + 32 * i < E ? read_logit(p, t, lane + 32 * i) : 0.f;
-    if (with_bias) {  // loaded with the logits, not after them (one memory latency less)
-#pragma unroll
-      for (int i = 0; i < R; ++i) bias_r[i] = lane + 32 * i < E ? p.bias[lane + 32 * i] : 0.f;
-    }
-#pragma unroll
-    for (int i = 0; i < R; ++i)
-      if (lane + 32 * i < E) {
-        sel[lane + 32 * i] = l[i];
-        m = fmaxf(m, l[i]);
-      }
-  } else {
-    for (int e = lane; e < E; e += 32) {
-      const float v = read_logit(p, t, e);
-      sel[e] = v;
-      m = fmaxf(m, v);
-    }
+  float* bias = reinterpret_cast<float*>(keys);
+
+  // Logits (and the bias) into shared memory, every load in flight at once (cp.async: no register waits on it).
+  if (!p.logits_bf16) {
+    const float* row = static_cast<const float*>(p.logits) + static_cast<int64_t>(t) * E;
+#pragma unroll 1
+    for (int e = lane; e < E; e += 32) dev::cp_async4(dev::smem_addr(sel + e), row + e);
   }
-  float sum = 0.f;
+  if (with_bias) {
+#pragma unroll 1
+    for (int e = lane; e < E; e += 32) dev::cp_async4(dev::smem_addr(bias + e), p.bias + e);
+  }
+  dev::cp_async_commit();
+  if (p.logits_bf16) {
+    const uint16_t* row = static_cast<const uint16_t*>(p.logits) + static_cast<int64_t>(t) * E;
+#pragma unroll 4
+    for (int e = lane; e < E; e += 32) sel[e] = dev::bf16_to_f32(row[e]);
+  }
+  dev::cp_async_wait<0>();
+  __syncwarp();
+
   if (method == RoutingMethod::Default || method == RoutingMethod::RenormalizeNaive) {
+    float m = -INFINITY;
+#pragma unroll 1
+    for (int e = lane; e < E; e += 32) m = fmaxf(m, sel[e]);
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+    float sum = 0.f;
+#pragma unroll 1
     for (int e = lane; e < E; e += 32) {
       const float v = expf(sel[e] - m);
       sel[e] = v;
@@ -179,33 +151,26 @@ __device__ __forceinline__ void route_token(const RoutingParams& p, int t, float
     }
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+#pragma unroll 1
     for (int e = lane; e < E; e += 32) sel[e] = sel[e] / sum;
   } else if (method == RoutingMethod::Sigmoid || method == RoutingMethod::SigmoidRenorm) {
+#pragma unroll 1
     for (int e = lane; e < E; e += 32) sel[e] = act::sigmoid(sel[e]);
   } else if (method == RoutingMethod::DeepSeekV3 || method == RoutingMethod::MiniMax2) {
-    if constexpr (in_regs) {
-#pragma unroll
-      for (int i = 0; i < R; ++i)
-        if (lane + 32 * i < E) {
-          const float s = act::sigmoid(l[i]);
-          sel[lane + 32 * i] = with_bias ? s + bias_r[i] : s;
-        }
-    } else {
-      for (int e = lane; e < E; e += 32) {
-        const float s = act::sigmoid(sel[e]);
-        sel[e] = p.bias ? s + p.bias[e] : s;
-      }
+#pragma unroll 1
+    for (int e = lane; e < E; e += 32) {
+      const float s = act::sigmoid(sel[e]);
+      sel[e] = with_bias ? s + bias[e] : s;
     }
   }
   __syncwarp();
 
   // Candidates: all experts, or those of the best topk_group groups (DeepSeekV3, n_group > 1).
-  uint32_t excluded[kMaskWords];  // bit i of word w: expert lane + 32 * (32 w + i) is not a candidate
-#pragma unroll
-  for (int w = 0; w < kMaskWords; ++w) excluded[w] = 0;
-  const int per_lane = (E + 31) / 32;
+  uint64_t kept = ~uint64_t(0);
+  int gs = E;
   if (method == RoutingMethod::DeepSeekV3 && p.n_group > 1) {
-    const int G = p.n_group, gs = E / G;
+    const int G = p.n_group;
+    gs = E / G;
     for (int g = lane; g < G; g += 32) {
       int b0 = -1, b1 = -1;
       for (int e = g * gs; e < (g + 1) * gs; ++e) {
@@ -215,7 +180,7 @@ __device__ __forceinline__ void route_token(const RoutingParams& p, int t, float
       gsc[g] = sel[b0] + sel[b1];
     }
     __syncwarp();
-    uint64_t kept = 0;
+    kept = 0;
     for (int q = 0; q < p.topk_group; ++q) {
       float bs = 0.f;
       int bi = -1;
@@ -224,25 +189,15 @@ __device__ __forceinline__ void route_token(const RoutingParams& p, int t, float
       warp_best(bs, bi);
       kept |= uint64_t(1) << bi;
     }
-    if constexpr (in_regs) {  // one mask word, static indices: no local memory
-#pragma unroll
-      for (int i = 0; i < R; ++i) {
-        const int e = lane + 32 * i;
-        if (e < E && !((kept >> (e / gs)) & 1)) excluded[0] |= 1u << i;
-      }
-    } else {
-      for (int i = 0; i < per_lane; ++i) {
-        const int e = lane + 32 * i;
-        if (e < E && !((kept >> (e / gs)) & 1)) excluded[i >> 5] |= 1u << (i & 31);
-      }
-    }
   }
+  __syncwarp();  // the bias in keys[] has been read
+#pragma unroll 1
+  for (int e = lane; e < E; e += 32) keys[e] = ((kept >> (e / gs)) & 1) ? rank_key(sel[e]) : 0u;
 
-  // Top-k: k rounds of a warp argmax; lane l keeps the ids of slots l and l + 32 (k <= 64) in registers,
-  // so the weights below never read them back from memory.
+  // Top-k: lane l keeps the ids of slots l and l + 32 (k <= 64) in registers, so the weights below never read them
+  // back from memory.
   int my_id[2] = {-1, -1};
-  if constexpr (in_regs) topk_in_registers<R>(sel, E, k, excluded[0], my_id);
-  else topk_from_shared(sel, E, k, excluded, my_id);
+  topk_cached(keys, E, k, my_id);
   int* ids = p.ids + static_cast<int64_t>(t) * k;
   float* w = p.weights + static_cast<int64_t>(t) * k;
   // Weights, in parallel over the slots; the sums over slots run in slot order (the reference's order)
@@ -309,14 +264,8 @@ __global__ void routing_kernel(RoutingParams p) {
   const int warp = threadIdx.x >> 5;
   const int t = blockIdx.x * (blockDim.x >> 5) + warp;
   if (t >= p.T) return;
-  float* sel = smem + warp * (p.E + 64);  // selection score per expert
-  float* gsc = sel + p.E;                 // group scores
-  const int per_lane = (p.E + 31) / 32;
-  if (per_lane <= 4) route_token<4>(p, t, sel, gsc);
-  else if (per_lane <= 8) route_token<8>(p, t, sel, gsc);
-  else if (per_lane <= 12) route_token<12>(p, t, sel, gsc);
-  else if (per_lane <= kMaxRegsPerLane) route_token<kMaxRegsPerLane>(p, t, sel, gsc);
-  else route_token<0>(p, t, sel, gsc);
+  float* sel = smem + warp * (2 * p.E + kMaxGroups);  // plan.cpp: routing_floats a warp
+  route_token(p, t, sel, reinterpret_cast<uint32_t*>(sel + p.E), sel + 2 * p.E);
 }
 
 }  // namespace

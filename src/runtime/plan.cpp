@@ -88,8 +88,9 @@ MoePlan make_plan(const ProblemShape& shape) {
   p.num_chunks = s.T == 0 ? 0 : ceil_div(s.T, p.chunk_tokens);
   p.rows = p.chunk_tokens * k;
 
-  // Routing: one warp per token; per warp the selection scores [E_total] and group scores [64].
-  const int64_t routing_floats = s.E_total + kMaxGroups;
+  // Routing: one warp per token; per warp the selection scores [E_total], the top-k keys [E_total] and the group
+  // scores [64] (src/cuda/routing.cu).
+  const int64_t routing_floats = 2 * s.E_total + kMaxGroups;
   p.routing_warps_per_block = routing_floats * 4 * 4 <= 48 * 1024 ? 4 : (routing_floats * 4 * 2 <= 48 * 1024 ? 2 : 1);
   p.routing_smem = static_cast<size_t>(routing_floats * 4 * p.routing_warps_per_block);
   p.routing_blocks = ceil_div(p.chunk_tokens, p.routing_warps_per_block);

@@ -46,7 +46,7 @@ void check_plan(const ProblemShape& s, std::mt19937_64& rng) {
   // Routing grid covers the chunk's tokens; shared memory within the default 48 KiB.
   if (T > 0 && s.routing_from_logits) {
     EXPECT_GE(p.routing_blocks * p.routing_warps_per_block, p.chunk_tokens);
-    EXPECT_GE(p.routing_smem, static_cast<size_t>((p.shape.E_total + kMaxGroups) * 4 * p.routing_warps_per_block));
+    EXPECT_GE(p.routing_smem, static_cast<size_t>((2 * p.shape.E_total + kMaxGroups) * 4 * p.routing_warps_per_block));
     EXPECT_LE(p.routing_smem, 48u * 1024u);
   }
 
