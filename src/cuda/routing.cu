@@ -191,8 +191,13 @@ __device__ __forceinline__ void route_token(const RoutingParams& p, int t, float
     }
   }
   __syncwarp();  // the bias in keys[] has been read
+  if (kept == ~uint64_t(0)) {  // no group limit: no integer division a candidate (a third of the loop's code)
 #pragma unroll 1
-  for (int e = lane; e < E; e += 32) keys[e] = ((kept >> (e / gs)) & 1) ? rank_key(sel[e]) : 0u;
+    for (int e = lane; e < E; e += 32) keys[e] = rank_key(sel[e]);
+  } else {
+#pragma unroll 1
+    for (int e = lane; e < E; e += 32) keys[e] = ((kept >> (e / gs)) & 1) ? rank_key(sel[e]) : 0u;
+  }
 
   // Top-k: lane l keeps the ids of slots l and l + 32 (k <= 64) in registers, so the weights below never read them
   // back from memory.
