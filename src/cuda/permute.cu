@@ -223,9 +223,7 @@ void launch_order_by_adapter(const PermuteParams& p, cudaStream_t stream) {
 void launch_permute(const PermuteParams& p, cudaStream_t stream) {
   if (p.rows <= 0) return;
   if (p.num_blocks == 1) {
-    // Decode (<= 32 entries): one warp, whose barriers cost nothing (ncu, kimi_k3_tp8 T=1 with 256 threads: 6.2 of
-    // 13.8 cycles an instruction waiting at barriers while one warp scans or places).
-    const int threads = p.E_loc <= 1024 ? (p.rows <= 32 ? 32 : (p.rows <= 256 ? 256 : kScanThreads)) : kScanThreads;
+    const int threads = p.rows <= 256 && p.E_loc <= 1024 ? 256 : kScanThreads;
     launch_pdl(permute_one_block_kernel, dim3(1), dim3(threads), 0, stream, "permute_one_block_kernel", p);
     return;
   }
