@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <functional>
 #include <map>
 #include <random>
 
@@ -30,11 +31,14 @@ int64_t ref_tokens(const ModelShape& s, int64_t cap = 16) {
 }
 
 // Runs one case on the GPU and against the reference; returns the errors (and checks them).
-Errors check_case(const Case& c, const Layer* given_layer, const char* label, bool print = true) {
+// edit (optional) changes the generated inputs before both runs (e.g. structured logits).
+Errors check_case(const Case& c, const Layer* given_layer, const char* label, bool print = true,
+                  const std::function<void(Inputs&)>& edit = nullptr) {
   std::unique_ptr<Layer> own;
   if (!given_layer) own = make_layer(c);
   const Layer* layer = given_layer ? given_layer : own.get();
   Inputs in = make_inputs(c);
+  if (edit) edit(in);
   auto call = make_gpu_call(c, in, *layer);
   const std::vector<uint16_t> y = run_gpu(layer->gpu, *call);
   EXPECT_EQ(count_poison(y), 0) << label << ": elements of y not written";
@@ -292,6 +296,46 @@ TEST(GpuRandomShapes, TwoHundred) {
     if (HasFailure()) { std::printf("failed at %s\n", label); return; }
   }
   std::printf("STAT random-shapes worst A16 relL2=%.3e\n", worst);
+}
+
+// ---- the routing top-k where random logits do not reach: winners clustered on one lane (each lane caches its
+// best three candidates; a fourth win makes the warp rescan), exact ties within and across lanes (the lower id
+// first), every E up to 2048 and k up to 64, against the reference's selection through the whole layer ----------
+TEST(GpuRandomShapes, RoutingClusteredWinnersAndTies) {
+  FP4MOE_SKIP_WITHOUT_GPU();
+  struct R { RoutingMethod method; int64_t E, k, n_group, topk_group; bool random_bias; };  // else a zero bias
+  const R rs[] = {{RoutingMethod::RenormalizeNaive, 256, 32, 1, 1, false}, {RoutingMethod::DeepSeekV3, 256, 8, 8, 4, true},
+                  {RoutingMethod::DeepSeekV3, 384, 24, 1, 1, false},     {RoutingMethod::TopK, 1024, 40, 1, 1, false},
+                  {RoutingMethod::Sigmoid, 2048, 64, 1, 1, false},       {RoutingMethod::Default, 100, 64, 1, 1, false}};
+  int n = 0;
+  for (const R& r : rs) {
+    Case c;
+    c.shape = model("qwen3_30b_a3b");
+    c.shape.H = 128;
+    c.shape.I = 64;
+    c.shape.routing = r.method;
+    c.shape.k = r.k;
+    c.shape.n_group = r.n_group;
+    c.shape.topk_group = r.topk_group;
+    c.E_loc = c.E_total = r.E;
+    c.T = 5;
+    c.check_tokens = c.T;
+    c.seed = 7100 + n++;
+    char label[96];
+    std::snprintf(label, sizeof label, "clustered %s E=%lld k=%lld groups=%lld", to_string(r.method),
+                  static_cast<long long>(r.E), static_cast<long long>(r.k), static_cast<long long>(r.n_group));
+    // Token t ranks lanes from (7 t) % 32 on: expert e = lane + 32 i scores 4 - 0.25 rank(lane) - 0.0625 (i / 2),
+    // exact in fp32, so experts 2j and 2j+1 of a lane tie, and a lane's fifth pair ties the next lane's first.
+    check_case(c, nullptr, label, true, [&](Inputs& in) {
+      for (int64_t t = 0; t < in.T; ++t)
+        for (int64_t e = 0; e < in.E_total; ++e) {
+          const int64_t rank = ((e % 32) - 7 * t % 32 + 32) % 32, i = e / 32;
+          in.logits[t * in.E_total + e] = 4.f - 0.25f * static_cast<float>(rank) - 0.0625f * static_cast<float>(i / 2);
+        }
+      if (!r.random_bias) std::fill(in.bias.begin(), in.bias.end(), 0.f);  // DeepSeekV3's bias would break the ties
+    });
+    if (HasFailure()) return;
+  }
 }
 
 // ---- bad GPU-only values: out-of-range topk_ids set the error flag and are dropped ------------------
