@@ -269,7 +269,7 @@ __global__ void routing_kernel(RoutingParams p) {
   const int warp = threadIdx.x >> 5;
   const int t = blockIdx.x * (blockDim.x >> 5) + warp;
   if (t >= p.T) return;
-  float* sel = smem + warp * (2 * p.E + kMaxGroups);  // plan.cpp: routing_floats a warp
+  float* sel = smem + warp * routing_floats_per_warp(p.E);
   route_token(p, t, sel, reinterpret_cast<uint32_t*>(sel + p.E), sel + 2 * p.E);
 }
 

@@ -88,9 +88,9 @@ MoePlan make_plan(const ProblemShape& shape) {
   p.num_chunks = s.T == 0 ? 0 : ceil_div(s.T, p.chunk_tokens);
   p.rows = p.chunk_tokens * k;
 
-  // Routing: one warp per token; per warp the selection scores [E_total], the top-k keys [E_total] and the group
-  // scores [64] (src/cuda/routing.cu).
-  const int64_t routing_floats = 2 * s.E_total + kMaxGroups;
+  // Routing: one warp per token, each with its shared-memory scores, keys and group scores (the kernel runs only
+  // from logits, where E_total <= kMaxExpertsRouting).
+  const int64_t routing_floats = routing_floats_per_warp(static_cast<int>(std::min(s.E_total, kMaxExpertsRouting)));
   p.routing_warps_per_block = routing_floats * 4 * 4 <= 48 * 1024 ? 4 : (routing_floats * 4 * 2 <= 48 * 1024 ? 2 : 1);
   p.routing_smem = static_cast<size_t>(routing_floats * 4 * p.routing_warps_per_block);
   p.routing_blocks = ceil_div(p.chunk_tokens, p.routing_warps_per_block);
