@@ -2,8 +2,9 @@
 // (one or two groups of 16 weight rows per warp) and the tokens the B operand (8 per mma), so a tile of up to 32
 // token rows reads each weight byte once, and the block's many narrow column tiles keep many k-block streams in
 // flight.
-// Tokens and weights come through the cp.async stages of the mma.sync tile (TileLoader). When the grid is
-// small (decode), the plan splits a tile's K chunks over gridDim.z blocks (kernels.h GemmProblem::split).
+// Tokens and weights come through STAGES shared-memory stages (SkinnyLoader: the weights by bulk copies on sm_90,
+// the tokens by cp.async). When the grid is small (decode), the plan splits a tile's K chunks over gridDim.z
+// blocks (kernels.h GemmProblem::split).
 //
 // Assumptions (asserted or guaranteed by the plan): N and K are multiples of 16; the weights use the
 // prepared layout of kernels.h; a tile has at most BM (8 or 32) rows, in groups of 8 tokens.
@@ -21,22 +22,23 @@
 
 namespace fp4moe::cuda_backend {
 
-// BM tokens x BN = 16 * RG * WARPS weight rows a block (RG row groups of 16 per warp); the stages are those of the
-// mma.sync tile (TileLoader: tokens in sA, weights and scales in sB / sSF), so the tokens stream with the weights.
+// BM tokens x BN = 16 * RG * WARPS weight rows a block (RG row groups of 16 per warp); a stage is laid out as the
+// mma.sync tile's (tokens in sA, weights and scales in sB / sSF), so the tokens stream with the weights.
 template <int BM, int WARPS, int STAGES, bool FP4, int RG = 2>
 using SkinnyConfig = TileConfig<BM, 16 * RG * WARPS, 1, WARPS, STAGES, FP4, true>;
 
 // One warp's A fragments (16 weight rows x one k16 step) for the 4 steps of a k-block in shared memory:
 // thread (g, t) holds rows g and g + 8 at k = 2t, 2t+1 and 2t+8, 2t+9 — in the prepared layout, the bytes
-// that the mma.sync tile reads as B fragments of the same rows.
+// that the mma.sync tile reads as B fragments of the same rows. st: the thread's bytes of row g (row g's start +
+// t * 8 for NVFP4, + t * 32 for bf16); sf: row g's 4 scale bytes.
 template <class Cfg>
-__device__ __forceinline__ void weight_fragments(const uint8_t* st, const uint8_t* sf, int g, int t, uint32_t wa[4][4]) {
+__device__ __forceinline__ void weight_fragments(const uint8_t* st, const uint8_t* sf, uint32_t wa[4][4]) {
+  constexpr int kRow8 = 8 * Cfg::B_ROW_BYTES;  // row g + 8
   if constexpr (Cfg::FP4) {
     uint32_t w0[4][2], w1[4][2];
-    dev::fp4_row_fragments(*reinterpret_cast<const uint2*>(st + g * 32 + t * 8),
-                           *reinterpret_cast<const uint32_t*>(sf + g * 4), w0);
-    dev::fp4_row_fragments(*reinterpret_cast<const uint2*>(st + (g + 8) * 32 + t * 8),
-                           *reinterpret_cast<const uint32_t*>(sf + (g + 8) * 4), w1);
+    dev::fp4_row_fragments(*reinterpret_cast<const uint2*>(st), *reinterpret_cast<const uint32_t*>(sf), w0);
+    dev::fp4_row_fragments(*reinterpret_cast<const uint2*>(st + kRow8), *reinterpret_cast<const uint32_t*>(sf + 32),
+                           w1);
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
       wa[s][0] = w0[s][0];
@@ -45,10 +47,10 @@ __device__ __forceinline__ void weight_fragments(const uint8_t* st, const uint8_
       wa[s][3] = w1[s][1];
     }
   } else {
-    const uint4 a0 = *reinterpret_cast<const uint4*>(st + g * 128 + t * 32);
-    const uint4 a1 = *reinterpret_cast<const uint4*>(st + g * 128 + t * 32 + 16);
-    const uint4 b0 = *reinterpret_cast<const uint4*>(st + (g + 8) * 128 + t * 32);
-    const uint4 b1 = *reinterpret_cast<const uint4*>(st + (g + 8) * 128 + t * 32 + 16);
+    const uint4 a0 = *reinterpret_cast<const uint4*>(st);
+    const uint4 a1 = *reinterpret_cast<const uint4*>(st + 16);
+    const uint4 b0 = *reinterpret_cast<const uint4*>(st + kRow8);
+    const uint4 b1 = *reinterpret_cast<const uint4*>(st + kRow8 + 16);
     wa[0][0] = a0.x; wa[0][1] = b0.x; wa[0][2] = a0.y; wa[0][3] = b0.y;
     wa[1][0] = a0.z; wa[1][1] = b0.z; wa[1][2] = a0.w; wa[1][3] = b0.w;
     wa[2][0] = a1.x; wa[2][1] = b1.x; wa[2][2] = a1.y; wa[2][3] = b1.y;
@@ -56,8 +58,125 @@ __device__ __forceinline__ void weight_fragments(const uint8_t* st, const uint8_
   }
 }
 
+// The copies of one k-block of a skinny tile. The weight rows [n0, n0 + BN) of a k-block are one contiguous run
+// in the prepared layout, and so are their scales: on sm_90 one thread moves each with a bulk copy (the TMA unit)
+// that completes on the stage's mbarrier, so the copy issue costs the other threads nothing (the per-thread
+// cp.async issue was a quarter of the decode loop's instructions). Rows past N are not copied (their outputs are
+// never stored). Before sm_90 the same runs go by cp.async, 16 bytes a thread, rows past N zero-filled. The
+// token rows (gathered; zero past K) always go by cp.async. Every source pointer advances one k-block a load
+// and always points into its buffer (a copy that is off reads nothing but still needs a valid address).
+// (FP4MOE_SKINNY_CP_ASYNC, a test build's define, takes the cp.async path on sm_90 too, so the H200 runs it.)
+template <class C> struct SkinnyLoader {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(FP4MOE_SKINNY_CP_ASYNC)
+  static constexpr bool kBulk = true;
+#else
+  static constexpr bool kBulk = false;
+#endif
+  static constexpr int B_CHUNKS = kBulk ? 0 : C::B_BYTES / 16 / C::THREADS;
+  static_assert(kBulk || (C::B_BYTES / 16) % C::THREADS == 0, "whole weight chunks per thread");
+  // The token chunks (16 bytes: 8 a row and k-block) go to warp 0 alone when they are few (8 rows: two a lane),
+  // so that the other warps skip the copy issue with one branch; else to every thread.
+  static constexpr int A_THREADS = C::BM * 8 <= 64 ? 32 : C::THREADS;
+  static constexpr int A_CHUNKS = C::BM * 8 / A_THREADS;
+  static_assert(C::BM * 8 % A_THREADS == 0, "whole token chunks per thread");
+  const uint8_t* a_src[A_CHUNKS];  // this thread's token chunk at the next k-block
+  uint32_t a_dst[A_CHUNKS];        // its offset in a stage (swizzled as the ldmatrix rows expect)
+  int a_left[A_CHUNKS];            // k-blocks from the next one on that hold data for it (<= 0: zero fill)
+  const uint8_t* b_src;               // the weight run at the next k-block
+  const uint8_t* s_src;               // the scale run at the next k-block (NVFP4)
+  uint32_t b_bytes, s_bytes;          // bulk: the runs' bytes (rows < N only)
+  uint32_t b_off[B_CHUNKS > 0 ? B_CHUNKS : 1];  // before sm_90: this thread's chunks in the run (past N: row 0's)
+  bool b_on[B_CHUNKS > 0 ? B_CHUNKS : 1], s_on;  // before sm_90: chunk inside N (else zero fill)
+  int64_t b_stride, s_stride;         // bytes per k-block
+
+  template <class Rows>
+  __device__ __forceinline__ SkinnyLoader(const GemmProblem& g, const Rows& tr, int expert, int n0, int kb0) {
+    const int tid = threadIdx.x;
+#pragma unroll
+    for (int i = 0; i < A_CHUNKS; ++i) {
+      const int c = tid % A_THREADS + i * A_THREADS, row = c >> 3, ch = c & 7;
+      const int r = tr.row0 + row;
+      const bool ok = row < C::BM && r < tr.row_end;
+      const int rr = ok ? r : tr.row0;  // a tile has at least one row
+      const int arow = g.gather_k ? entry_of(g, rr) / g.gather_k : rr;
+      // k-blocks kb with kb * 64 + ch * 8 < K hold data: kb < ceil((K - ch * 8) / 64).
+      a_left[i] = (ok ? (g.K - ch * 8 + C::BK - 1) / C::BK : 0) - kb0;
+      a_src[i] = reinterpret_cast<const uint8_t*>(g.A + static_cast<int64_t>(arow) * g.lda + ch * 8) +
+                 (a_left[i] > 0 ? static_cast<int64_t>(kb0) * C::BK * 2 : 0);
+      a_dst[i] = row * 128 + ((ch ^ (row & 7)) << 4);
+    }
+    const int N = static_cast<int>(g.B.N);
+    const int rows = min(C::BN, N - n0);  // >= 16: no tile starts past N
+    b_stride = static_cast<int64_t>(N) * C::B_ROW_BYTES;
+    s_stride = static_cast<int64_t>(N) * 4;
+    b_src = g.B.data + static_cast<int64_t>(expert) * g.B.expert_data_bytes + kb0 * b_stride +
+            static_cast<int64_t>(n0) * C::B_ROW_BYTES;
+    s_src = C::FP4 ? g.B.sf + static_cast<int64_t>(expert) * g.B.expert_sf_bytes + kb0 * s_stride +
+                         static_cast<int64_t>(n0) * 4
+                   : nullptr;
+    b_bytes = rows * C::B_ROW_BYTES;
+    s_bytes = C::FP4 ? rows * 4 : 0;
+    if constexpr (!kBulk) {
+      constexpr int kRowChunks = C::B_ROW_BYTES / 16;
+#pragma unroll
+      for (int i = 0; i < B_CHUNKS; ++i) {
+        const int c = tid + i * C::THREADS;
+        b_on[i] = c / kRowChunks < rows;
+        b_off[i] = (b_on[i] ? c : c % kRowChunks) * 16;
+      }
+      s_on = C::FP4 && tid * 4 < rows;  // a 16-byte scale chunk is 4 rows; rows is a multiple of 16
+      if (s_on) s_src += tid * 16;
+    }
+  }
+
+  // Issues the copies of the next k-block into the stage at shared address sstage (bulk ones completing on bar).
+  __device__ __forceinline__ void load_next(uint32_t sstage, uint32_t bar) {
+    const uint32_t sB = sstage + C::A_BYTES, sSF = sB + C::B_BYTES;
+    if (A_THREADS == C::THREADS || threadIdx.x < A_THREADS) {
+#pragma unroll
+      for (int i = 0; i < A_CHUNKS; ++i) {
+        const bool ok = a_left[i] > 0;
+        dev::cp_async16(sstage + a_dst[i], a_src[i], ok);
+        a_src[i] += ok ? C::BK * 2 : 0;  // an exhausted chunk keeps its last valid address
+        --a_left[i];
+      }
+      if constexpr (kBulk) {
+        if (threadIdx.x == 0) {
+          dev::mbar_arrive_expect_tx(bar, b_bytes + s_bytes);
+          dev::bulk_copy_g2s(sB, b_src, b_bytes, bar);
+          if constexpr (C::FP4) dev::bulk_copy_g2s(sSF, s_src, s_bytes, bar);
+        }
+      }
+    }
+    if constexpr (!kBulk) {
+      (void)bar;
+#pragma unroll
+      for (int i = 0; i < B_CHUNKS; ++i)
+        dev::cp_async16(sB + (threadIdx.x + i * C::THREADS) * 16, b_src + b_off[i], b_on[i]);
+      if constexpr (C::FP4)
+        if (threadIdx.x < C::SF_BYTES / 16) dev::cp_async16(sSF + threadIdx.x * 16, s_src, s_on);
+    }
+    b_src += b_stride;
+    if constexpr (C::FP4) s_src += s_stride;
+  }
+
+  // Waits for the weights of the stage whose barrier is bar, in its phase of the given parity (bulk copies; the
+  // cp.async copies are waited for by cp_async_wait).
+  __device__ __forceinline__ void wait_weights(uint32_t bar, uint32_t parity) const {
+    if constexpr (kBulk) dev::mbar_wait(bar, parity);
+    else (void)bar, (void)parity;
+  }
+};
+
+// Blocks an SM must hold (sets the register cap): as many as the stages' shared memory lets in on sm_90 (228 KB,
+// 1 KB of it reserved per block; NVFP4 config 0: 5, config 1: 4; bf16: 1). Left to itself, ptxas gave NVFP4
+// config 1 137 registers (3 blocks).
+template <class Cfg> constexpr int kSkinnyMinBlocks =
+    228 * 1024 / (Cfg::SMEM_BYTES + 1024) < 1 ? 1 : 228 * 1024 / (Cfg::SMEM_BYTES + 1024);
+
 template <class Cfg, class Epi, class Act>
-__global__ void __launch_bounds__(Cfg::THREADS) skinny_gemm_kernel(GemmProblem g, typename Epi::Params ep) {
+__global__ void __launch_bounds__(Cfg::THREADS, kSkinnyMinBlocks<Cfg>)
+    skinny_gemm_kernel(GemmProblem g, typename Epi::Params ep) {
   // RG row groups of 16 weight rows per warp: the token fragments, the loads and the loop are shared by RG
   // decode streams (a decode GEMM is bound by the instructions per weight byte).
   constexpr int RG = Cfg::BN / (16 * Cfg::WARPS_N);
@@ -77,11 +196,18 @@ __global__ void __launch_bounds__(Cfg::THREADS) skinny_gemm_kernel(GemmProblem g
   const int KB = static_cast<int>(g.B.Kp / Cfg::BK);
   const KRange kr = k_range(KB, static_cast<int>(blockIdx.z), g.split);
   const int nkb = kr.end - kr.begin;
-  const TileLoader<Cfg> ld(g, tr, tr.expert, static_cast<int>(blockIdx.y) * Cfg::BN);
-  const uint32_t sbase = dev::smem_addr(smem);
+  SkinnyLoader<Cfg> ld(g, tr, tr.expert, static_cast<int>(blockIdx.y) * Cfg::BN, kr.begin);
+  // Stage s: bytes [s * STAGE_BYTES, +STAGE_BYTES) of smem, its weights' barrier bars[s] (phase n: its n-th load).
+  __shared__ __align__(8) uint64_t bars[Cfg::STAGES];
+  const uint32_t sbase = dev::smem_addr(smem), bar0 = dev::smem_addr(bars);
+  if constexpr (SkinnyLoader<Cfg>::kBulk) {
+    if (threadIdx.x < Cfg::STAGES) dev::mbar_init(bar0 + 8 * threadIdx.x, 1);
+    dev::mbar_init_fence();
+    __syncthreads();
+  }
 #pragma unroll
   for (int s = 0; s < Cfg::STAGES - 1; ++s) {
-    if (s < nkb) ld.load(sbase + s * Cfg::STAGE_BYTES, kr.begin + s);
+    if (s < nkb) ld.load_next(sbase + s * Cfg::STAGE_BYTES, bar0 + 8 * s);
     dev::cp_async_commit();
   }
 
@@ -92,15 +218,20 @@ __global__ void __launch_bounds__(Cfg::THREADS) skinny_gemm_kernel(GemmProblem g
     return reinterpret_cast<float4*>(g.partials) + ((tile_lin * chunks + chunk) * Cfg::THREADS + threadIdx.x) * ACCS;
   };
 
-  // This lane's ldmatrix rows (tokens i*8 + lane%8, k chunks 4h + lane/8, swizzled as TileLoader stores them).
+  // This lane's ldmatrix rows (tokens i*8 + lane%8, k chunks 4h + lane/8, swizzled as SkinnyLoader stores them),
+  // and its weight and scale bytes in a stage (weight_fragments). Held in registers (dev::opaque), not worked out
+  // again from threadIdx in every k-block: the loop's time is its instruction count.
   uint32_t tok_off[GROUPS][2];
 #pragma unroll
   for (int i = 0; i < GROUPS; ++i)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int row = i * 8 + (lane & 7), ch = 4 * h + (lane >> 3);
-      tok_off[i][h] = row * 128 + ((ch ^ (row & 7)) << 4);
+      tok_off[i][h] = dev::opaque(row * 128 + ((ch ^ (row & 7)) << 4));
     }
+  const uint32_t w_off =
+      dev::opaque(Cfg::A_BYTES + (warp * RG * 16 + gq) * Cfg::B_ROW_BYTES + t * (Cfg::FP4 ? 8 : 32));
+  const uint32_t sf_off = dev::opaque(Cfg::A_BYTES + Cfg::B_BYTES + (warp * RG * 16 + gq) * 4);
 
   float acc[ACCS][4], part[ACCS][4];
 #pragma unroll
@@ -108,54 +239,56 @@ __global__ void __launch_bounds__(Cfg::THREADS) skinny_gemm_kernel(GemmProblem g
 #pragma unroll
     for (int q = 0; q < 4; ++q) acc[a][q] = 0.f;
 
-  for (int j = 0; j < nkb; ++j) {
-    const int kb = kr.begin + j;
-    dev::cp_async_wait<Cfg::STAGES - 2>();
-    __syncthreads();
-    {
-      const int nj = j + Cfg::STAGES - 1;
-      if (nj < nkb) ld.load(sbase + (nj % Cfg::STAGES) * Cfg::STAGE_BYTES, kr.begin + nj);
+  // The k-blocks of a chunk are consumed from stage `rd` (phase parity `ph`) while the copies of the k-block
+  // STAGES - 1 ahead go to stage `wr`, the one every thread finished reading before this k-block's barrier.
+  int rd = 0, wr = Cfg::STAGES - 1, left = nkb - (Cfg::STAGES - 1);  // left: k-blocks still to load
+  uint32_t ph = 0;
+  for (int kc = kr.begin; kc < kr.end; kc += kChunkBlocks) {  // one K chunk: one chain per output
+#pragma unroll
+    for (int a = 0; a < ACCS; ++a)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) part[a][q] = 0.f;
+    const int kc_end = min(kc + kChunkBlocks, kr.end);
+    for (int kb = kc; kb < kc_end; ++kb) {
+      dev::cp_async_wait<Cfg::STAGES - 2>();
+      __syncthreads();
+      const uint32_t sstage = sbase + rd * Cfg::STAGE_BYTES;
+      ld.wait_weights(bar0 + 8 * rd, ph);
+      if (left > 0) ld.load_next(sbase + wr * Cfg::STAGE_BYTES, bar0 + 8 * wr);
       dev::cp_async_commit();
-    }
-    if (kb % kChunkBlocks == 0) {
+      --left;
+      wr = rd;
+      ph ^= rd == Cfg::STAGES - 1 ? 1u : 0u;
+      rd = rd == Cfg::STAGES - 1 ? 0 : rd + 1;
+
+      const uint8_t* st = smem + (sstage - sbase);
+      uint32_t wa[RG][4][4];
 #pragma unroll
-      for (int a = 0; a < ACCS; ++a)
+      for (int r = 0; r < RG; ++r)
+        weight_fragments<Cfg>(st + w_off + r * 16 * Cfg::B_ROW_BYTES, st + sf_off + r * 64, wa[r]);
 #pragma unroll
-        for (int q = 0; q < 4; ++q) part[a][q] = 0.f;
-    }
-    const uint32_t sstage = sbase + (j % Cfg::STAGES) * Cfg::STAGE_BYTES;
-    const uint8_t* sB = smem + (j % Cfg::STAGES) * Cfg::STAGE_BYTES + Cfg::A_BYTES;
-    const uint8_t* sSF = sB + Cfg::B_BYTES;
-    uint32_t wa[RG][4][4];
+      for (int i = 0; i < GROUPS; ++i) {
+        if (i >= groups) break;
+        // Tokens i*8 .. i*8+7 as B fragments, two k16 steps per ldmatrix.x4 (matrix j = k chunk 4h + j), shared
+        // by the row groups.
 #pragma unroll
-    for (int r = 0; r < RG; ++r) {
-      const int row = (warp * RG + r) * 16;
-      weight_fragments<Cfg>(sB + row * Cfg::B_ROW_BYTES, sSF + row * 4, gq, t, wa[r]);
-    }
+        for (int h = 0; h < 2; ++h) {
+          uint32_t b[4];
+          dev::ldmatrix_x4(b, sstage + tok_off[i][h]);
 #pragma unroll
-    for (int i = 0; i < GROUPS; ++i) {
-      if (i >= groups) break;
-      // Tokens i*8 .. i*8+7 as B fragments, two k16 steps per ldmatrix.x4 (matrix j = k chunk 4h + j), shared by
-      // the row groups.
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        uint32_t b[4];
-        dev::ldmatrix_x4(b, sstage + tok_off[i][h]);
-#pragma unroll
-        for (int r = 0; r < RG; ++r) {
-          dev::mma_bf16_16816(part[i * RG + r], wa[r][2 * h], b);
-          dev::mma_bf16_16816(part[i * RG + r], wa[r][2 * h + 1], b + 2);
+          for (int r = 0; r < RG; ++r) {
+            dev::mma_bf16_16816(part[i * RG + r], wa[r][2 * h], b);
+            dev::mma_bf16_16816(part[i * RG + r], wa[r][2 * h + 1], b + 2);
+          }
         }
       }
     }
-    if (kb % kChunkBlocks == kChunkBlocks - 1 || kb == KB - 1) {  // chunk done
-      if (g.split > 1) {
-        float4* dst = partial_at(kb / kChunkBlocks);
+    if (g.split > 1) {  // chunk done
+      float4* dst = partial_at(kc / kChunkBlocks);
 #pragma unroll
-        for (int a = 0; a < ACCS; ++a) dst[a] = make_float4(part[a][0], part[a][1], part[a][2], part[a][3]);
-      } else {
-        add_chunk(acc, part, kb < kChunkBlocks);
-      }
+      for (int a = 0; a < ACCS; ++a) dst[a] = make_float4(part[a][0], part[a][1], part[a][2], part[a][3]);
+    } else {
+      add_chunk(acc, part, kc == 0);
     }
   }
   dev::cp_async_wait<0>();

@@ -40,31 +40,48 @@ __device__ __forceinline__ float warp_sum(float acc) {
   return acc;
 }
 
-// sum_k x[k] * a[k] over K (a multiple of 8; x and a 16-byte aligned), fp32, same value in every lane. The loads of
-// kDotUnroll chunks a lane are issued before their multiply-adds (the chain's order is unchanged): with one chunk in
-// flight, a decode token's shrink was a row of dependent memory latencies (ncu, kimi_k3_tp8 T=1: shrink1 ~10 us for
-// 14 chunks a lane).
-constexpr int kDotUnroll = 8;
-__device__ __forceinline__ float warp_dot_bf16(const uint16_t* x, const uint16_t* a, int K, int lane) {
-  float acc = 0.f;
-  const int chunks = K >> 3;
-  for (int c0 = lane; c0 < chunks; c0 += 32 * kDotUnroll) {
-    uint4 xv[kDotUnroll], av[kDotUnroll];
+// sum_k x_j[k] * a[k] over K (a multiple of 8; x_j and a 16-byte aligned) for the first n <= ROWS rows x_j, fp32,
+// the same value in every lane: per row one chain over the lane's chunks c = lane, lane + 32, ... in order, then a
+// fixed butterfly — the same bits whatever ROWS and UNROLL. One read of the row of A serves all the rows x_j. The
+// loads of UNROLL chunks a lane are issued before their multiply-adds: with one chunk in flight a decode token's
+// shrink was a row of dependent memory latencies (ncu, kimi_k3_tp8 T=1: shrink1 ~10 us for 14 chunks a lane), and
+// the tiled shrink latency-bound (kimi T=1024: 270 us against the per-token kernel's 235).
+template <int ROWS, int UNROLL>
+__device__ __forceinline__ void warp_dot_rows(const uint16_t* const xr[ROWS], int n, const uint16_t* a, int K, int lane,
+                                              float out[ROWS]) {
+  float acc[ROWS];
 #pragma unroll
-    for (int u = 0; u < kDotUnroll; ++u) {
+  for (int j = 0; j < ROWS; ++j) acc[j] = 0.f;
+  const int chunks = K >> 3;
+  for (int c0 = lane; c0 < chunks; c0 += 32 * UNROLL) {
+    uint4 av[UNROLL], xv[ROWS][UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
       const int c = c0 + 32 * u;
-      if (c < chunks) {
-        xv[u] = *reinterpret_cast<const uint4*>(x + c * 8);
-        av[u] = *reinterpret_cast<const uint4*>(a + c * 8);
+      if (c < chunks) av[u] = *reinterpret_cast<const uint4*>(a + c * 8);
+#pragma unroll
+      for (int j = 0; j < ROWS; ++j)
+        if (j < n && c < chunks) xv[j][u] = *reinterpret_cast<const uint4*>(xr[j] + c * 8);
+    }
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      if (c0 + 32 * u >= chunks) break;
+#pragma unroll
+      for (int j = 0; j < ROWS; ++j) {
+        if (j >= n) break;
+        fma_chunk8(acc[j], xv[j][u], av[u]);
       }
     }
-#pragma unroll
-    for (int u = 0; u < kDotUnroll; ++u) {
-      if (c0 + 32 * u >= chunks) break;
-      fma_chunk8(acc, xv[u], av[u]);
-    }
   }
-  return warp_sum(acc);
+#pragma unroll
+  for (int j = 0; j < ROWS; ++j) out[j] = warp_sum(acc[j]);
+}
+// One row: sum_k x[k] * a[k], eight chunks a lane in flight.
+__device__ __forceinline__ float warp_dot_bf16(const uint16_t* x, const uint16_t* a, int K, int lane) {
+  const uint16_t* const xr[1] = {x};
+  float v[1];
+  warp_dot_rows<1, 8>(xr, 1, a, K, lane, v);
+  return v[0];
 }
 
 __global__ void lora_shrink1_kernel(LoraShrink1Params p) {
@@ -113,40 +130,8 @@ __global__ void lora_shrink1_kernel(LoraShrink1Params p) {
   }
 }
 
-// Up to kRunRows rows of x against one row of A: per row the chain and the butterfly of warp_dot_bf16 (the same
-// bits: each lane's chunks c = lane, lane + 32, ... in order), one read of the A row for all of them. The loads of
-// kUnroll chunks are issued before their multiply-adds: one load in flight a warp left the first version of this
-// kernel latency-bound (ncu, kimi T=1024: 270 us against the per-token kernel's 235).
+// The tiled shrink's runs: up to kRunRows rows of x against one row of A, kUnroll chunks a lane in flight.
 constexpr int kRunRows = 4, kUnroll = 4;
-__device__ __forceinline__ void warp_dot_rows(const uint16_t* const xr[kRunRows], int n, const uint16_t* a, int K, int lane,
-                                              float out[kRunRows]) {
-  float acc[kRunRows];
-#pragma unroll
-  for (int j = 0; j < kRunRows; ++j) acc[j] = 0.f;
-  const int chunks = K >> 3;
-  for (int c0 = lane; c0 < chunks; c0 += 32 * kUnroll) {
-    uint4 av[kUnroll], xv[kRunRows][kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int c = c0 + 32 * u;
-      if (c < chunks) av[u] = *reinterpret_cast<const uint4*>(a + c * 8);
-#pragma unroll
-      for (int j = 0; j < kRunRows; ++j)
-        if (j < n && c < chunks) xv[j][u] = *reinterpret_cast<const uint4*>(xr[j] + c * 8);
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      if (c0 + 32 * u >= chunks) break;
-#pragma unroll
-      for (int j = 0; j < kRunRows; ++j) {
-        if (j >= n) break;
-        fma_chunk8(acc[j], xv[j][u], av[u]);
-      }
-    }
-  }
-#pragma unroll
-  for (int j = 0; j < kRunRows; ++j) out[j] = warp_sum(acc[j]);
-}
 
 // The routed shrinks over GEMM1's row tiles (plan.lora_shrink_tiled), after the permutation: a tile's rows are
 // one expert's, ordered by adapter slot (order_by_adapter_kernel), so a run of rows with one slot shares
@@ -205,7 +190,7 @@ __global__ void lora_shrink_tiled_kernel(LoraTiledShrinkParams p) {
     }
     const uint16_t* arow = pj.A + (static_cast<int64_t>(pj.a_shared ? 0 : e) * pj.r + i) * p.K;
     float v[kRunRows];
-    warp_dot_rows(xr, cnt, arow, p.K, lane, v);
+    warp_dot_rows<kRunRows, kUnroll>(xr, cnt, arow, p.K, lane, v);
     if (lane == 0) {
 #pragma unroll
       for (int j = 0; j < kRunRows; ++j)

@@ -1,8 +1,16 @@
-// PTX wrappers: cp.async (16 B, zero-filling), ldmatrix, mma.sync m16n8k16 bf16 -> fp32 (HMMA).
+// PTX wrappers: cp.async (16 B, zero-filling), bulk copies completing on an mbarrier (sm_90), ldmatrix,
+// mma.sync m16n8k16 bf16 -> fp32 (HMMA).
 #pragma once
 #include <cstdint>
 
 namespace fp4moe::cuda_backend::dev {
+
+// x, hidden from the optimizer: a per-thread constant worked out once (from threadIdx) stays in its register
+// instead of being worked out again inside a hot loop (ptxas rematerializes what it can derive from threadIdx;
+// a shuffle it does not). The whole warp must be converged.
+__device__ __forceinline__ uint32_t opaque(uint32_t x) {
+  return __shfl_sync(0xffffffffu, x, static_cast<int>(threadIdx.x & 31));
+}
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -20,6 +28,33 @@ __device__ __forceinline__ void cp_async4(uint32_t dst, const void* src) {
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// mbarriers (bar: the shared-space address of a 64-bit barrier). A stage's barrier completes a phase when its
+// one arrival (the thread that issues the stage's bulk copies) and all the bytes it announced have landed.
+__device__ __forceinline__ void mbar_init(uint32_t bar, int arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(arrivals) : "memory");
+}
+// Makes the initialized barriers visible to the async proxy (the bulk copies); a __syncthreads follows.
+__device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+// Waits until the phase with the given parity (0, 1, 0, ... for the barrier's 1st, 2nd, 3rd ... phase) is complete.
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nwait_again:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra wait_again;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+// Copies `bytes` (a multiple of 16, both addresses 16-byte aligned) global -> shared with the TMA unit; the
+// bytes count towards the transaction of barrier bar's current phase.
+__device__ __forceinline__ void bulk_copy_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
 
 // addr: a shared-space address.
 __device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], uint32_t addr) {
