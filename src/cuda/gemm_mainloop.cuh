@@ -38,81 +38,6 @@ struct TileConfig {
 // The (token, slot) entry of permuted row r (dense problems: the row itself).
 __device__ __forceinline__ int entry_of(const GemmProblem& g, int r) { return g.row_entry ? g.row_entry[r] : r; }
 
-// The cp.async copies of one pipeline stage, with every address that does not depend on the k-block worked
-// out once per tile (the issue slots of a decode GEMM are its bottleneck): A rows (zero past the tile's rows
-// and past K), the weight rows [n0, n0 + BN) of the k-block (one contiguous run) and their scales.
-template <class C> struct TileLoader {
-  static constexpr int B_CHUNKS = (C::B_BYTES / 16 + C::THREADS - 1) / C::THREADS;
-  static constexpr int S_CHUNKS = C::SF_BYTES / 16;
-  static_assert(S_CHUNKS <= C::THREADS, "one scale chunk per thread at most");
-  const uint16_t* a_src[C::A_CHUNKS];  // this thread's A chunk at k = 0 (null: zero fill)
-  uint32_t a_dst[C::A_CHUNKS];         // its offset in a stage (swizzled)
-  int a_k[C::A_CHUNKS];                // its k within a k-block
-  const uint8_t* b_src[B_CHUNKS];      // weight chunk at k-block 0 (null: past N)
-  const uint8_t* s_src;                // scale chunk at k-block 0 (null: none for this thread)
-  int64_t b_stride, s_stride;          // bytes per k-block
-  int K;
-  const uint8_t* dummy;                // a valid address for zero-filling copies
-
-  // Row i of the tile is permuted row row0 + i, whose A row is its token (gather_k: entry / k) or itself.
-  template <class Rows>
-  __device__ __forceinline__ TileLoader(const GemmProblem& g, const Rows& tr, int expert, int n0) {
-    const int tid = threadIdx.x;
-    K = g.K;
-    dummy = g.B.data;
-#pragma unroll
-    for (int i = 0; i < C::A_CHUNKS; ++i) {
-      const int c = tid + i * C::THREADS, row = c >> 3, ch = c & 7;
-      const int r = tr.row0 + row;
-      a_src[i] = nullptr;
-      if (row < C::BM && r < tr.row_end) {
-        const int arow = g.gather_k ? entry_of(g, r) / g.gather_k : r;
-        a_src[i] = g.A + static_cast<int64_t>(arow) * g.lda + ch * 8;
-      }
-      a_dst[i] = row * 128 + ((ch ^ (row & 7)) << 4);
-      a_k[i] = ch * 8;
-    }
-    const int N = static_cast<int>(g.B.N);
-    const uint8_t* bdata = g.B.data + static_cast<int64_t>(expert) * g.B.expert_data_bytes;
-    constexpr int kRowChunks = C::B_ROW_BYTES / 16;
-#pragma unroll
-    for (int i = 0; i < B_CHUNKS; ++i) {
-      const int c = tid + i * C::THREADS;
-      const bool ok = c < C::B_BYTES / 16 && n0 + c / kRowChunks < N;
-      b_src[i] = ok ? bdata + static_cast<int64_t>(n0) * C::B_ROW_BYTES + c * 16 : nullptr;
-    }
-    b_stride = static_cast<int64_t>(N) * C::B_ROW_BYTES;
-    s_src = nullptr;
-    s_stride = static_cast<int64_t>(N) * 4;
-    if constexpr (C::FP4) {
-      // N is a multiple of 16: a chunk's 4 rows are all in or all out.
-      if (tid < S_CHUNKS && n0 + tid * 4 < N)
-        s_src = g.B.sf + static_cast<int64_t>(expert) * g.B.expert_sf_bytes + static_cast<int64_t>(n0) * 4 + tid * 16;
-    }
-  }
-
-  // sstage: the shared-space address of the stage (dev::smem_addr of its first byte).
-  __device__ __forceinline__ void load(uint32_t sstage, int kb) const {
-    const uint32_t sA = sstage, sB = sA + C::A_BYTES, sSF = sB + C::B_BYTES;
-    const int tid = threadIdx.x;
-#pragma unroll
-    for (int i = 0; i < C::A_CHUNKS; ++i) {
-      if (C::BM * 8 < C::THREADS * (i + 1) && tid + i * C::THREADS >= C::BM * 8) break;  // fewer chunks than threads
-      const bool ok = a_src[i] != nullptr && kb * C::BK + a_k[i] < K;
-      dev::cp_async16(sA + a_dst[i], ok ? static_cast<const void*>(a_src[i] + kb * C::BK) : dummy, ok);
-    }
-#pragma unroll
-    for (int i = 0; i < B_CHUNKS; ++i) {
-      const bool ok = b_src[i] != nullptr;
-      if (C::B_BYTES / 16 % C::THREADS != 0 && tid + i * C::THREADS >= C::B_BYTES / 16) break;
-      dev::cp_async16(sB + (tid + i * C::THREADS) * 16, ok ? b_src[i] + kb * b_stride : dummy, ok);
-    }
-    if constexpr (C::FP4) {
-      if (tid < S_CHUNKS) dev::cp_async16(sSF + tid * 16, s_src ? s_src + kb * s_stride : dummy, s_src != nullptr);
-    }
-  }
-};
-
 // The canonical K order of every GEMM here (batch invariance, SPEC §4): K is cut into chunks of
 // kKChunk (plan.h); each chunk is one chain of m16n8k16 steps k = 0, 16, 32, ... from a zero accumulator, and
 // an output is the fp32 sum of its chunk sums in chunk order. A tile may take a range of chunks
@@ -145,32 +70,172 @@ template <int N> __device__ __forceinline__ void unscale_products(float (&acc)[N
     for (int q = 0; q < 4; ++q) acc[i][q] *= nvfp4_prepared::kProductScale;
 }
 
+// The copies of one k-block of a block tile (both kernels). The weight rows [n0, n0 + BN) of a k-block are one
+// contiguous run in the prepared layout, and so are their scales: on sm_90 one thread moves each with a bulk copy (the TMA unit)
+// that completes on the stage's mbarrier, so the copy issue costs the other threads nothing (the per-thread
+// cp.async issue was a quarter of the decode loop's instructions). Rows past N are not copied (their outputs are
+// never stored). Before sm_90 the same runs go by cp.async, 16 bytes a thread, rows past N zero-filled. The
+// token rows (gathered; zero past K) always go by cp.async. Every source pointer advances one k-block a load
+// and always points into its buffer (a copy that is off reads nothing but still needs a valid address).
+// (FP4MOE_SKINNY_CP_ASYNC, a test build's define, takes the cp.async path on sm_90 too, so the H200 runs it.)
+template <class C> struct TileLoader {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(FP4MOE_SKINNY_CP_ASYNC)
+  static constexpr bool kBulk = true;
+#else
+  static constexpr bool kBulk = false;
+#endif
+  static constexpr int B_CHUNKS = kBulk ? 0 : C::B_BYTES / 16 / C::THREADS;
+  static_assert(kBulk || (C::B_BYTES / 16) % C::THREADS == 0, "whole weight chunks per thread");
+  // The token chunks (16 bytes: 8 a row and k-block) go to warp 0 alone when they are few (8 rows: two a lane),
+  // so that the other warps skip the copy issue with one branch; else to every thread. A tile's row i is
+  // permuted row row0 + i, whose token row is its entry / gather_k (or the row itself); rows past the tile's end
+  // are zero-filled, and so are columns past K.
+  static constexpr int A_THREADS = C::BM * 8 <= 64 ? 32 : C::THREADS;
+  static constexpr int A_CHUNKS = C::BM * 8 / A_THREADS;
+  static_assert(C::BM * 8 % A_THREADS == 0, "whole token chunks per thread");
+  const uint8_t* a_src[A_CHUNKS];  // this thread's token chunk at the next k-block
+  uint32_t a_dst[A_CHUNKS];        // its offset in a stage (swizzled as the ldmatrix rows expect)
+  int a_left[A_CHUNKS];            // k-blocks from the next one on that hold data for it (<= 0: zero fill)
+  const uint8_t* b_src;               // the weight run at the next k-block
+  const uint8_t* s_src;               // the scale run at the next k-block (NVFP4)
+  uint32_t b_bytes, s_bytes;          // bulk: the runs' bytes (rows < N only)
+  uint32_t b_off[B_CHUNKS > 0 ? B_CHUNKS : 1];  // before sm_90: this thread's chunks in the run (past N: row 0's)
+  bool b_on[B_CHUNKS > 0 ? B_CHUNKS : 1], s_on;  // before sm_90: chunk inside N (else zero fill)
+  int64_t b_stride, s_stride;         // bytes per k-block
+
+  template <class Rows>
+  __device__ __forceinline__ TileLoader(const GemmProblem& g, const Rows& tr, int expert, int n0, int kb0) {
+    const int tid = threadIdx.x;
+#pragma unroll
+    for (int i = 0; i < A_CHUNKS; ++i) {
+      const int c = tid % A_THREADS + i * A_THREADS, row = c >> 3, ch = c & 7;
+      const int r = tr.row0 + row;
+      const bool ok = row < C::BM && r < tr.row_end;
+      const int rr = ok ? r : tr.row0;  // a tile has at least one row
+      const int arow = g.gather_k ? entry_of(g, rr) / g.gather_k : rr;
+      // k-blocks kb with kb * 64 + ch * 8 < K hold data: kb < ceil((K - ch * 8) / 64).
+      a_left[i] = (ok ? (g.K - ch * 8 + C::BK - 1) / C::BK : 0) - kb0;
+      a_src[i] = reinterpret_cast<const uint8_t*>(g.A + static_cast<int64_t>(arow) * g.lda + ch * 8) +
+                 (a_left[i] > 0 ? static_cast<int64_t>(kb0) * C::BK * 2 : 0);
+      a_dst[i] = row * 128 + ((ch ^ (row & 7)) << 4);
+    }
+    const int N = static_cast<int>(g.B.N);
+    const int rows = min(C::BN, N - n0);  // >= 16: no tile starts past N
+    b_stride = static_cast<int64_t>(N) * C::B_ROW_BYTES;
+    s_stride = static_cast<int64_t>(N) * 4;
+    b_src = g.B.data + static_cast<int64_t>(expert) * g.B.expert_data_bytes + kb0 * b_stride +
+            static_cast<int64_t>(n0) * C::B_ROW_BYTES;
+    s_src = C::FP4 ? g.B.sf + static_cast<int64_t>(expert) * g.B.expert_sf_bytes + kb0 * s_stride +
+                         static_cast<int64_t>(n0) * 4
+                   : nullptr;
+    b_bytes = rows * C::B_ROW_BYTES;
+    s_bytes = C::FP4 ? rows * 4 : 0;
+    if constexpr (!kBulk) {
+      constexpr int kRowChunks = C::B_ROW_BYTES / 16;
+#pragma unroll
+      for (int i = 0; i < B_CHUNKS; ++i) {
+        const int c = tid + i * C::THREADS;
+        b_on[i] = c / kRowChunks < rows;
+        b_off[i] = (b_on[i] ? c : c % kRowChunks) * 16;
+      }
+      s_on = C::FP4 && tid * 4 < rows;  // a 16-byte scale chunk is 4 rows; rows is a multiple of 16
+      if (s_on) s_src += tid * 16;
+    }
+  }
+
+  // Issues the copies of the next k-block into the stage at shared address sstage (bulk ones completing on bar).
+  __device__ __forceinline__ void load_next(uint32_t sstage, uint32_t bar) {
+    const uint32_t sB = sstage + C::A_BYTES, sSF = sB + C::B_BYTES;
+    if (A_THREADS == C::THREADS || threadIdx.x < A_THREADS) {
+#pragma unroll
+      for (int i = 0; i < A_CHUNKS; ++i) {
+        const bool ok = a_left[i] > 0;
+        dev::cp_async16(sstage + a_dst[i], a_src[i], ok);
+        a_src[i] += ok ? C::BK * 2 : 0;  // an exhausted chunk keeps its last valid address
+        --a_left[i];
+      }
+      if constexpr (kBulk) {
+        if (threadIdx.x == 0) {
+          dev::mbar_arrive_expect_tx(bar, b_bytes + s_bytes);
+          dev::bulk_copy_g2s(sB, b_src, b_bytes, bar);
+          if constexpr (C::FP4) dev::bulk_copy_g2s(sSF, s_src, s_bytes, bar);
+        }
+      }
+    }
+    if constexpr (!kBulk) {
+      (void)bar;
+#pragma unroll
+      for (int i = 0; i < B_CHUNKS; ++i)
+        dev::cp_async16(sB + (threadIdx.x + i * C::THREADS) * 16, b_src + b_off[i], b_on[i]);
+      if constexpr (C::FP4)
+        if (threadIdx.x < C::SF_BYTES / 16) dev::cp_async16(sSF + threadIdx.x * 16, s_src, s_on);
+    }
+    b_src += b_stride;
+    if constexpr (C::FP4) s_src += s_stride;
+  }
+
+  // Waits for the weights of the stage whose barrier is bar, in its phase of the given parity (bulk copies; the
+  // cp.async copies are waited for by cp_async_wait).
+  __device__ __forceinline__ void wait_weights(uint32_t bar, uint32_t parity) const {
+    if constexpr (kBulk) dev::mbar_wait(bar, parity);
+    else (void)bar, (void)parity;
+  }
+};
+
+// The STAGES-deep pipeline of a block tile: stage s is bytes [s * STAGE_BYTES, +STAGE_BYTES) of the dynamic
+// shared memory, its weights complete on barrier s (phase n: its n-th load). next() waits for the k-block after
+// the last one returned and issues the copies STAGES - 1 ahead into the stage every thread finished reading
+// before this k-block's __syncthreads.
+template <class C> struct StagePipe {
+  uint32_t sbase, bar0;
+  int rd = 0, wr = C::STAGES - 1, left;  // stage to read next, stage to load next, k-blocks still to load
+  uint32_t ph = 0;                       // parity of the phase of stage rd to wait for
+
+  __device__ __forceinline__ StagePipe(uint8_t* smem, TileLoader<C>& ld, int nkb) {
+    __shared__ __align__(8) uint64_t bars[C::STAGES];
+    sbase = dev::smem_addr(smem);
+    bar0 = dev::smem_addr(bars);
+    if constexpr (TileLoader<C>::kBulk) {
+      if (threadIdx.x < C::STAGES) dev::mbar_init(bar0 + 8 * threadIdx.x, 1);
+      dev::mbar_init_fence();
+      __syncthreads();
+    }
+#pragma unroll
+    for (int s = 0; s < C::STAGES - 1; ++s) {
+      if (s < nkb) ld.load_next(sbase + s * C::STAGE_BYTES, bar0 + 8 * s);
+      dev::cp_async_commit();
+    }
+    left = nkb - (C::STAGES - 1);
+  }
+  // The shared-space address of the next k-block's stage, its copies landed and visible to every thread.
+  __device__ __forceinline__ uint32_t next(TileLoader<C>& ld) {
+    dev::cp_async_wait<C::STAGES - 2>();
+    __syncthreads();
+    const uint32_t sstage = sbase + rd * C::STAGE_BYTES;
+    ld.wait_weights(bar0 + 8 * rd, ph);
+    if (left > 0) ld.load_next(sbase + wr * C::STAGE_BYTES, bar0 + 8 * wr);
+    dev::cp_async_commit();
+    --left;
+    wr = rd;
+    ph ^= rd == C::STAGES - 1 ? 1u : 0u;
+    rd = rd == C::STAGES - 1 ? 0 : rd + 1;
+    return sstage;
+  }
+};
+
 template <class Cfg> struct MainLoop {
   using C = Cfg;
   float acc[C::MT][C::NT][4];  // the sum over the chunks done
   float part[C::MT][C::NT][4];  // the chain of the current chunk
 
-  __device__ __forceinline__ void run(uint8_t* smem, const TileLoader<C>& ld, int KB) {
-    const int tid = threadIdx.x;
-    const uint32_t sbase = dev::smem_addr(smem);
-#pragma unroll
-    for (int s = 0; s < C::STAGES - 1; ++s) {
-      if (s < KB) ld.load(sbase + s * C::STAGE_BYTES, s);
-      dev::cp_async_commit();
-    }
-
-    const int lane = tid & 31, warp = tid >> 5;
+  __device__ __forceinline__ void run(uint8_t* smem, TileLoader<C>& ld, int KB) {
+    StagePipe<C> pipe(smem, ld, KB);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int wm = warp / C::WARPS_N, wn = warp % C::WARPS_N;
     const int g = lane >> 2, t = lane & 3;
 
     for (int kb = 0; kb < KB; ++kb) {
-      dev::cp_async_wait<C::STAGES - 2>();
-      __syncthreads();
-      {
-        const int nk = kb + C::STAGES - 1;
-        if (nk < KB) ld.load(sbase + (nk % C::STAGES) * C::STAGE_BYTES, nk);
-        dev::cp_async_commit();
-      }
+      const uint32_t sstage = pipe.next(ld);  // A: ldmatrix's shared-space address
       if (kb % kChunkBlocks == 0) {
 #pragma unroll
         for (int i = 0; i < C::MT; ++i)
@@ -179,8 +244,7 @@ template <class Cfg> struct MainLoop {
 #pragma unroll
             for (int q = 0; q < 4; ++q) part[i][j][q] = 0.f;
       }
-      const uint32_t sstage = sbase + (kb % C::STAGES) * C::STAGE_BYTES;  // A: ldmatrix's shared-space address
-      const uint8_t* sB = smem + (kb % C::STAGES) * C::STAGE_BYTES + C::A_BYTES;
+      const uint8_t* sB = smem + (sstage - pipe.sbase) + C::A_BYTES;
       const uint8_t* sSF = sB + C::B_BYTES;
 
       // B fragments of this warp for the 4 k16 steps.

@@ -2,8 +2,8 @@
 // (one or two groups of 16 weight rows per warp) and the tokens the B operand (8 per mma), so a tile of up to 32
 // token rows reads each weight byte once, and the block's many narrow column tiles keep many k-block streams in
 // flight.
-// Tokens and weights come through STAGES shared-memory stages (SkinnyLoader: the weights by bulk copies on sm_90,
-// the tokens by cp.async). When the grid is small (decode), the plan splits a tile's K chunks over gridDim.z
+// Tokens and weights come through the STAGES shared-memory stages of gemm_mainloop.cuh (TileLoader: the weights by
+// bulk copies on sm_90, the tokens by cp.async). When the grid is small (decode), the plan splits a tile's K chunks over gridDim.z
 // blocks (kernels.h GemmProblem::split).
 //
 // Assumptions (asserted or guaranteed by the plan): N and K are multiples of 16; the weights use the
@@ -58,116 +58,6 @@ __device__ __forceinline__ void weight_fragments(const uint8_t* st, const uint8_
   }
 }
 
-// The copies of one k-block of a skinny tile. The weight rows [n0, n0 + BN) of a k-block are one contiguous run
-// in the prepared layout, and so are their scales: on sm_90 one thread moves each with a bulk copy (the TMA unit)
-// that completes on the stage's mbarrier, so the copy issue costs the other threads nothing (the per-thread
-// cp.async issue was a quarter of the decode loop's instructions). Rows past N are not copied (their outputs are
-// never stored). Before sm_90 the same runs go by cp.async, 16 bytes a thread, rows past N zero-filled. The
-// token rows (gathered; zero past K) always go by cp.async. Every source pointer advances one k-block a load
-// and always points into its buffer (a copy that is off reads nothing but still needs a valid address).
-// (FP4MOE_SKINNY_CP_ASYNC, a test build's define, takes the cp.async path on sm_90 too, so the H200 runs it.)
-template <class C> struct SkinnyLoader {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(FP4MOE_SKINNY_CP_ASYNC)
-  static constexpr bool kBulk = true;
-#else
-  static constexpr bool kBulk = false;
-#endif
-  static constexpr int B_CHUNKS = kBulk ? 0 : C::B_BYTES / 16 / C::THREADS;
-  static_assert(kBulk || (C::B_BYTES / 16) % C::THREADS == 0, "whole weight chunks per thread");
-  // The token chunks (16 bytes: 8 a row and k-block) go to warp 0 alone when they are few (8 rows: two a lane),
-  // so that the other warps skip the copy issue with one branch; else to every thread.
-  static constexpr int A_THREADS = C::BM * 8 <= 64 ? 32 : C::THREADS;
-  static constexpr int A_CHUNKS = C::BM * 8 / A_THREADS;
-  static_assert(C::BM * 8 % A_THREADS == 0, "whole token chunks per thread");
-  const uint8_t* a_src[A_CHUNKS];  // this thread's token chunk at the next k-block
-  uint32_t a_dst[A_CHUNKS];        // its offset in a stage (swizzled as the ldmatrix rows expect)
-  int a_left[A_CHUNKS];            // k-blocks from the next one on that hold data for it (<= 0: zero fill)
-  const uint8_t* b_src;               // the weight run at the next k-block
-  const uint8_t* s_src;               // the scale run at the next k-block (NVFP4)
-  uint32_t b_bytes, s_bytes;          // bulk: the runs' bytes (rows < N only)
-  uint32_t b_off[B_CHUNKS > 0 ? B_CHUNKS : 1];  // before sm_90: this thread's chunks in the run (past N: row 0's)
-  bool b_on[B_CHUNKS > 0 ? B_CHUNKS : 1], s_on;  // before sm_90: chunk inside N (else zero fill)
-  int64_t b_stride, s_stride;         // bytes per k-block
-
-  template <class Rows>
-  __device__ __forceinline__ SkinnyLoader(const GemmProblem& g, const Rows& tr, int expert, int n0, int kb0) {
-    const int tid = threadIdx.x;
-#pragma unroll
-    for (int i = 0; i < A_CHUNKS; ++i) {
-      const int c = tid % A_THREADS + i * A_THREADS, row = c >> 3, ch = c & 7;
-      const int r = tr.row0 + row;
-      const bool ok = row < C::BM && r < tr.row_end;
-      const int rr = ok ? r : tr.row0;  // a tile has at least one row
-      const int arow = g.gather_k ? entry_of(g, rr) / g.gather_k : rr;
-      // k-blocks kb with kb * 64 + ch * 8 < K hold data: kb < ceil((K - ch * 8) / 64).
-      a_left[i] = (ok ? (g.K - ch * 8 + C::BK - 1) / C::BK : 0) - kb0;
-      a_src[i] = reinterpret_cast<const uint8_t*>(g.A + static_cast<int64_t>(arow) * g.lda + ch * 8) +
-                 (a_left[i] > 0 ? static_cast<int64_t>(kb0) * C::BK * 2 : 0);
-      a_dst[i] = row * 128 + ((ch ^ (row & 7)) << 4);
-    }
-    const int N = static_cast<int>(g.B.N);
-    const int rows = min(C::BN, N - n0);  // >= 16: no tile starts past N
-    b_stride = static_cast<int64_t>(N) * C::B_ROW_BYTES;
-    s_stride = static_cast<int64_t>(N) * 4;
-    b_src = g.B.data + static_cast<int64_t>(expert) * g.B.expert_data_bytes + kb0 * b_stride +
-            static_cast<int64_t>(n0) * C::B_ROW_BYTES;
-    s_src = C::FP4 ? g.B.sf + static_cast<int64_t>(expert) * g.B.expert_sf_bytes + kb0 * s_stride +
-                         static_cast<int64_t>(n0) * 4
-                   : nullptr;
-    b_bytes = rows * C::B_ROW_BYTES;
-    s_bytes = C::FP4 ? rows * 4 : 0;
-    if constexpr (!kBulk) {
-      constexpr int kRowChunks = C::B_ROW_BYTES / 16;
-#pragma unroll
-      for (int i = 0; i < B_CHUNKS; ++i) {
-        const int c = tid + i * C::THREADS;
-        b_on[i] = c / kRowChunks < rows;
-        b_off[i] = (b_on[i] ? c : c % kRowChunks) * 16;
-      }
-      s_on = C::FP4 && tid * 4 < rows;  // a 16-byte scale chunk is 4 rows; rows is a multiple of 16
-      if (s_on) s_src += tid * 16;
-    }
-  }
-
-  // Issues the copies of the next k-block into the stage at shared address sstage (bulk ones completing on bar).
-  __device__ __forceinline__ void load_next(uint32_t sstage, uint32_t bar) {
-    const uint32_t sB = sstage + C::A_BYTES, sSF = sB + C::B_BYTES;
-    if (A_THREADS == C::THREADS || threadIdx.x < A_THREADS) {
-#pragma unroll
-      for (int i = 0; i < A_CHUNKS; ++i) {
-        const bool ok = a_left[i] > 0;
-        dev::cp_async16(sstage + a_dst[i], a_src[i], ok);
-        a_src[i] += ok ? C::BK * 2 : 0;  // an exhausted chunk keeps its last valid address
-        --a_left[i];
-      }
-      if constexpr (kBulk) {
-        if (threadIdx.x == 0) {
-          dev::mbar_arrive_expect_tx(bar, b_bytes + s_bytes);
-          dev::bulk_copy_g2s(sB, b_src, b_bytes, bar);
-          if constexpr (C::FP4) dev::bulk_copy_g2s(sSF, s_src, s_bytes, bar);
-        }
-      }
-    }
-    if constexpr (!kBulk) {
-      (void)bar;
-#pragma unroll
-      for (int i = 0; i < B_CHUNKS; ++i)
-        dev::cp_async16(sB + (threadIdx.x + i * C::THREADS) * 16, b_src + b_off[i], b_on[i]);
-      if constexpr (C::FP4)
-        if (threadIdx.x < C::SF_BYTES / 16) dev::cp_async16(sSF + threadIdx.x * 16, s_src, s_on);
-    }
-    b_src += b_stride;
-    if constexpr (C::FP4) s_src += s_stride;
-  }
-
-  // Waits for the weights of the stage whose barrier is bar, in its phase of the given parity (bulk copies; the
-  // cp.async copies are waited for by cp_async_wait).
-  __device__ __forceinline__ void wait_weights(uint32_t bar, uint32_t parity) const {
-    if constexpr (kBulk) dev::mbar_wait(bar, parity);
-    else (void)bar, (void)parity;
-  }
-};
-
 // Blocks an SM must hold (sets the register cap): as many as the stages' shared memory lets in on sm_90 (228 KB,
 // 1 KB of it reserved per block; NVFP4 config 0: 5, config 1: 4; bf16: 1). Left to itself, ptxas gave NVFP4
 // config 1 137 registers (3 blocks).
@@ -196,20 +86,8 @@ __global__ void __launch_bounds__(Cfg::THREADS, kSkinnyMinBlocks<Cfg>)
   const int KB = static_cast<int>(g.B.Kp / Cfg::BK);
   const KRange kr = k_range(KB, static_cast<int>(blockIdx.z), g.split);
   const int nkb = kr.end - kr.begin;
-  SkinnyLoader<Cfg> ld(g, tr, tr.expert, static_cast<int>(blockIdx.y) * Cfg::BN, kr.begin);
-  // Stage s: bytes [s * STAGE_BYTES, +STAGE_BYTES) of smem, its weights' barrier bars[s] (phase n: its n-th load).
-  __shared__ __align__(8) uint64_t bars[Cfg::STAGES];
-  const uint32_t sbase = dev::smem_addr(smem), bar0 = dev::smem_addr(bars);
-  if constexpr (SkinnyLoader<Cfg>::kBulk) {
-    if (threadIdx.x < Cfg::STAGES) dev::mbar_init(bar0 + 8 * threadIdx.x, 1);
-    dev::mbar_init_fence();
-    __syncthreads();
-  }
-#pragma unroll
-  for (int s = 0; s < Cfg::STAGES - 1; ++s) {
-    if (s < nkb) ld.load_next(sbase + s * Cfg::STAGE_BYTES, bar0 + 8 * s);
-    dev::cp_async_commit();
-  }
+  TileLoader<Cfg> ld(g, tr, tr.expert, static_cast<int>(blockIdx.y) * Cfg::BN, kr.begin);
+  StagePipe<Cfg> pipe(smem, ld, nkb);
 
   // Split-K: this block's chunk sums go to partials[tile][chunk][thread] (tile = blockIdx.x, y).
   const int chunks = (KB + kChunkBlocks - 1) / kChunkBlocks;
@@ -218,7 +96,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, kSkinnyMinBlocks<Cfg>)
     return reinterpret_cast<float4*>(g.partials) + ((tile_lin * chunks + chunk) * Cfg::THREADS + threadIdx.x) * ACCS;
   };
 
-  // This lane's ldmatrix rows (tokens i*8 + lane%8, k chunks 4h + lane/8, swizzled as SkinnyLoader stores them),
+  // This lane's ldmatrix rows (tokens i*8 + lane%8, k chunks 4h + lane/8, swizzled as TileLoader stores them),
   // and its weight and scale bytes in a stage (weight_fragments). Held in registers (dev::opaque), not worked out
   // again from threadIdx in every k-block: the loop's time is its instruction count.
   uint32_t tok_off[GROUPS][2];
@@ -239,10 +117,6 @@ __global__ void __launch_bounds__(Cfg::THREADS, kSkinnyMinBlocks<Cfg>)
 #pragma unroll
     for (int q = 0; q < 4; ++q) acc[a][q] = 0.f;
 
-  // The k-blocks of a chunk are consumed from stage `rd` (phase parity `ph`) while the copies of the k-block
-  // STAGES - 1 ahead go to stage `wr`, the one every thread finished reading before this k-block's barrier.
-  int rd = 0, wr = Cfg::STAGES - 1, left = nkb - (Cfg::STAGES - 1);  // left: k-blocks still to load
-  uint32_t ph = 0;
   for (int kc = kr.begin; kc < kr.end; kc += kChunkBlocks) {  // one K chunk: one chain per output
 #pragma unroll
     for (int a = 0; a < ACCS; ++a)
@@ -250,18 +124,8 @@ __global__ void __launch_bounds__(Cfg::THREADS, kSkinnyMinBlocks<Cfg>)
       for (int q = 0; q < 4; ++q) part[a][q] = 0.f;
     const int kc_end = min(kc + kChunkBlocks, kr.end);
     for (int kb = kc; kb < kc_end; ++kb) {
-      dev::cp_async_wait<Cfg::STAGES - 2>();
-      __syncthreads();
-      const uint32_t sstage = sbase + rd * Cfg::STAGE_BYTES;
-      ld.wait_weights(bar0 + 8 * rd, ph);
-      if (left > 0) ld.load_next(sbase + wr * Cfg::STAGE_BYTES, bar0 + 8 * wr);
-      dev::cp_async_commit();
-      --left;
-      wr = rd;
-      ph ^= rd == Cfg::STAGES - 1 ? 1u : 0u;
-      rd = rd == Cfg::STAGES - 1 ? 0 : rd + 1;
-
-      const uint8_t* st = smem + (sstage - sbase);
+      const uint32_t sstage = pipe.next(ld);
+      const uint8_t* st = smem + (sstage - pipe.sbase);
       uint32_t wa[RG][4][4];
 #pragma unroll
       for (int r = 0; r < RG; ++r)
