@@ -141,6 +141,10 @@ constexpr int64_t kMaxLoraRank = 64;              // an adapter's r (SPEC §5)
 // bench/results/2026-11-30-h200-session5-dev run 8).
 constexpr int64_t kKChunk = 512;
 constexpr int64_t kSplitTargetBlocks = 528;
+// A chunk of at most this many (token, slot) entries is permuted by one kernel of one block (count, scan and
+// in-order placement; src/cuda/permute.cu), larger ones by three kernels over many blocks. (The placement is one
+// warp's serial walk: at 1024 entries 32 steps.)
+constexpr int64_t kOneBlockPermEntries = 1024;
 
 constexpr int kNumGemmConfigs = 3;
 inline constexpr GemmConfig kGemmConfigs[kNumGemmConfigs] = {

@@ -114,12 +114,13 @@ __device__ void offsets_and_tiles(const PermuteParams& p, int* offs, int* toffs)
 }
 
 // One warp gives entries [begin, end), in order, the next rows of their experts (next[e]: e's next row).
-__device__ void place_entries(const PermuteParams& p, int* next, int begin, int end) {
+// cached: the entries' local experts (local_expert) already in shared memory, or null.
+__device__ void place_entries(const PermuteParams& p, int* next, int begin, int end, const int16_t* cached) {
   const int lane = threadIdx.x & 31;
   const unsigned lt = (1u << lane) - 1u;
   for (int i0 = begin; i0 < end; i0 += 32) {
     const int i = i0 + lane;
-    const int e = i < end ? local_expert(p, i) : -1;
+    const int e = i < end ? (cached ? cached[i] : local_expert(p, i)) : -1;
     const int key = e >= 0 ? e : -1;
     const unsigned peers = __match_any_sync(0xffffffffu, key);
     int pos = 0;
@@ -154,19 +155,22 @@ __global__ void __launch_bounds__(kScanThreads) scan_kernel(PermuteParams p) {
   offsets_and_tiles(p, offs, toffs);
 }
 
-// All of count, scan and place in one block, for a chunk of at most one block of entries (decode and small
-// batches, where three launches cost more than the work).
+// All of count, scan and place in one block, for a chunk of at most kOneBlockPermEntries entries (plan.h; decode
+// and small batches, where three launches cost more than the work). The entries' experts are read once, into
+// shared memory, for warp 0's in-order placement (a global read a step made it a row of memory latencies).
 __global__ void __launch_bounds__(kScanThreads) permute_one_block_kernel(PermuteParams p) {
   dev::pdl_wait();
   dev::pdl_launch_dependents();
   __shared__ int offs[4097];
   __shared__ int toffs[4097];
+  __shared__ int16_t s_exp[kOneBlockPermEntries];
   for (int e = threadIdx.x; e < p.E_loc; e += blockDim.x) offs[e] = 0;
   for (int c = threadIdx.x; c < p.num_counters; c += blockDim.x) p.zero_counters[c] = 0;
   __syncthreads();
   bool bad = false;
   for (int i = threadIdx.x; i < p.rows; i += blockDim.x) {
     const int e = local_expert(p, i);
+    if (i < kOneBlockPermEntries) s_exp[i] = static_cast<int16_t>(e);
     if (e >= 0) atomicAdd(&offs[e], 1);  // integer counts: the result does not depend on the order
     bad |= e == -2;
   }
@@ -174,7 +178,7 @@ __global__ void __launch_bounds__(kScanThreads) permute_one_block_kernel(Permute
   __syncthreads();
   offsets_and_tiles(p, offs, toffs);
   __syncthreads();  // the tile list has read offs; warp 0 now advances it as each expert's next row
-  if (threadIdx.x < 32) place_entries(p, offs, 0, p.rows);
+  if (threadIdx.x < 32) place_entries(p, offs, 0, p.rows, p.rows <= kOneBlockPermEntries ? s_exp : nullptr);
 }
 
 __global__ void place_kernel(PermuteParams p) {
@@ -185,7 +189,7 @@ __global__ void place_kernel(PermuteParams p) {
   for (int e = threadIdx.x; e < p.E_loc; e += 32) next[e] = p.expert_offsets[e] + base[e];
   __syncwarp();
   const int begin = blockIdx.x * p.entries_per_block;
-  place_entries(p, next, begin, min(begin + p.entries_per_block, p.rows));
+  place_entries(p, next, begin, min(begin + p.entries_per_block, p.rows), nullptr);
 }
 
 // One block per local expert: its rows [offs[e], offs[e+1]) re-ordered by (token slot, entry); the rank of a row is

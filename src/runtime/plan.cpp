@@ -95,8 +95,11 @@ MoePlan make_plan(const ProblemShape& shape) {
   p.routing_smem = static_cast<size_t>(routing_floats * 4 * p.routing_warps_per_block);
   p.routing_blocks = ceil_div(p.chunk_tokens, p.routing_warps_per_block);
 
-  // Permutation: one warp per block of entries, at most ~1024 blocks so the scan stays short.
-  p.perm_entries = static_cast<int>(std::max<int64_t>(256, round_up(ceil_div(p.rows, 1024), 32)));
+  // Permutation: up to kOneBlockPermEntries entries in one kernel of one block; above, one warp per block of
+  // entries, at most ~1024 blocks so the scan stays short.
+  p.perm_entries = p.rows <= kOneBlockPermEntries
+                       ? static_cast<int>(kOneBlockPermEntries)
+                       : static_cast<int>(std::max<int64_t>(256, round_up(ceil_div(p.rows, 1024), 32)));
   p.perm_blocks = ceil_div(p.rows, p.perm_entries);
   p.perm_smem = static_cast<size_t>(s.E_loc * 4);
 
