@@ -136,9 +136,10 @@ constexpr int64_t kMaxHidden = int64_t(1) << 20;  // H, I: keeps every per-row i
 constexpr int64_t kMaxLoraRank = 64;              // an adapter's r (SPEC §5)
 
 // The canonical K order of the GEMMs (src/cuda/gemm_mainloop.cuh): chains over chunks of kKChunk, chunk sums
-// added in order. Split-K aims at kSplitTargetBlocks blocks (four per SM of an H200) when a grid is smaller: against
-// two per SM, kimi_k3_tp8 T=1 41.8 -> 40.3 us (LoRA 58.5 -> 55.7), T=8 98.5 -> 96.4; qwen3 unchanged (H200,
-// bench/results/2026-11-30-h200-session5-dev run 8).
+// added in order. Split-K splits a grid smaller than kSplitTargetBlocks blocks (four per SM of an H200) towards
+// twice that many (plan.cpp): against a target of two per SM, kimi_k3_tp8 T=1 41.8 -> 40.3 us, T=8 98.5 -> 96.4
+// (bench/results/2026-11-30-h200-session5-dev run 8); splitting towards 2 x 528 instead of 528, kimi T=8 85.6 ->
+// 79.9 us (session7-dev run 4).
 constexpr int64_t kKChunk = 512;
 constexpr int64_t kSplitTargetBlocks = 528;
 // A chunk of at most this many (token, slot) entries is permuted by one kernel of one block (count, scan and
