@@ -150,8 +150,8 @@ constexpr int64_t kOneBlockPermEntries = 1024;
 constexpr int kNumGemmConfigs = 3;
 inline constexpr GemmConfig kGemmConfigs[kNumGemmConfigs] = {
     {8, 128, 64, 1, 4, 8, true},   // decode: <= 8 rows per expert tile, 32 weight rows a warp, many bytes in flight
-    {32, 128, 64, 1, 4, 6, true},  // small batches: <= 32 rows per expert tile, weights read once
-    {64, 128, 64, 2, 4, 3},        // medium and prefill (a 128-row tile ran 1 block an SM at 244 registers: slower)
+    {32, 128, 64, 1, 4, 6, true},  // up to 512 rows an expert (plan.cpp), in tiles of <= 32 rows
+    {64, 128, 64, 2, 4, 3},        // more rows an expert (a 128-row tile ran 1 block an SM at 244 registers: slower)
 };
 
 // Throws Error(InvalidArgument/Unsupported) naming the argument for shapes the kernels cannot take.

@@ -104,9 +104,12 @@ MoePlan make_plan(const ProblemShape& shape) {
   p.perm_smem = static_cast<size_t>(s.E_loc * 4);
 
   // GEMM tile: by the expected rows per expert (any choice gives the same bits: every tile follows the same
-  // K order, split or not, so the choice may depend on T without breaking batch invariance).
+  // K order, split or not, so the choice may depend on T without breaking batch invariance). The 32-row
+  // weights-as-A tile (bulk-copied weights, six stages) beat the 64-row tile up to 512 rows an expert on the H200
+  // (session7-dev run 5: qwen3 T=1024 586 -> 526 us, kimi T=4096 1979 -> 1803, T=16384 7822 -> 7288,
+  // deepseek_v3_ep8 T=16384 10438 -> 8649; qwen3 T=4096 and mixtral unchanged); above, the 64-row tile.
   const int64_t avg_rows = ceil_div(p.rows, s.E_loc);
-  p.gemm_config = avg_rows <= 6 ? 0 : (avg_rows <= 24 ? 1 : 2);
+  p.gemm_config = avg_rows <= 6 ? 0 : (avg_rows <= 512 ? 1 : 2);
   p.gemm = kGemmConfigs[p.gemm_config];
   const GemmConfig& g = p.gemm;
   p.k1_pad = round_up(H, g.bk);

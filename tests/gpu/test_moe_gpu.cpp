@@ -222,19 +222,23 @@ TEST(GpuNvfp4, SpecialScaleCodes) {
 // ---- batch invariance: a token's bits do not depend on the rest of the batch ------------------------
 TEST(GpuBatchInvariance, SubBatchesEqualFullBatch) {
   FP4MOE_SKIP_WITHOUT_GPU();
-  for (int mode = 0; mode < 2; ++mode) {
+  // Full batches of 300 tokens over 32 experts (75 rows an expert: the 32-row weights-as-A tile) and of 1100 over 16
+  // (550 rows an expert, one chunk: the 64-row mma.sync tile; plan.cpp's thresholds) against sub-batches of 1 and 4
+  // tokens (the 8-row tile, split-K).
+  for (int mode = 0; mode < 4; ++mode) {
     Case c;
     c.shape = model("kimi_k3_tp8");
-    c.E_loc = c.E_total = 32;
-    c.T = 300;  // full batch uses a larger tile than the sub-batches
-    c.mode = mode ? ActMode::A4 : ActMode::A16;
+    c.E_loc = c.E_total = mode < 2 ? 32 : 16;
+    c.T = mode < 2 ? 300 : 1100;
+    c.mode = mode % 2 ? ActMode::A4 : ActMode::A16;
     c.shared = true;
     c.shared_I = 384;
     auto layer = make_layer(c);
     Inputs in = make_inputs(c);
     auto call = make_gpu_call(c, in, *layer);
     const auto y = run_gpu(layer->gpu, *call);
-    for (const std::vector<int64_t>& sub : {std::vector<int64_t>{5}, std::vector<int64_t>{5, 17, 40, 299}}) {
+    EXPECT_EQ(make_plan(problem_shape(c)).gemm_config, mode < 2 ? 1 : 2) << "the full batch's tile (mode " << mode << ")";
+    for (const std::vector<int64_t>& sub : {std::vector<int64_t>{5}, std::vector<int64_t>{5, 17, 40, c.T - 1}}) {
       Case cs = c;
       cs.T = static_cast<int64_t>(sub.size());
       const Inputs is = sub_inputs(in, sub);
