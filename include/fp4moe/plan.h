@@ -46,7 +46,7 @@ struct WorkspaceBuffer {
 struct GemmConfig {
   int bm = 0, bn = 0, bk = 0;       // block tile: rows (tokens), columns (weight rows), K step
   int warps_m = 0, warps_n = 0;     // warp grid
-  int stages = 0;                   // cp.async pipeline depth
+  int stages = 0;                   // shared-memory pipeline depth (src/cuda/gemm_mainloop.cuh StagePipe)
   bool weights_as_a = false;        // src/cuda/gemm_skinny.cuh: weights as the mma A operand, bn / warps_n rows a warp
   int threads() const { return 32 * warps_m * warps_n; }
 };
@@ -64,7 +64,8 @@ struct MoePlan {
   int64_t routing_blocks = 0;   // for a full chunk
   size_t routing_smem = 0;      // dynamic shared memory per block
 
-  // Deterministic histogram / permutation: one warp per block of perm_entries entries.
+  // Deterministic histogram / permutation: one block for all when rows <= kOneBlockPermEntries, else one warp
+  // per block of perm_entries entries.
   int perm_entries = 0;
   int64_t perm_blocks = 0;      // for a full chunk
   size_t perm_smem = 0;         // E_loc ints per block

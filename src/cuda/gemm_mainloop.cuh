@@ -1,6 +1,7 @@
 // One block tile of the grouped GEMM: acc[BM x BN] = A[rows, 0:K] . B[n0:n0+BN, 0:K]^T, fp32.
 // A (bf16 activations, gathered rows) and B (prepared NVFP4 or bf16 weights, kernels.h layout) stream
-// through a STAGES-deep cp.async pipeline in K steps of 64; B is decoded from shared memory straight
+// through a STAGES-deep pipeline in K steps of 64 (TileLoader, StagePipe: B and its scales by bulk copies on
+// an mbarrier per stage on sm_90, A by cp.async); B is decoded from shared memory straight
 // into mma.sync B fragments (NVFP4: e2m1 * e4m3 * 2^-8 in bf16, exact; format/nvfp4_prepared.h), A comes in
 // with ldmatrix. The kernels multiply the fp32 sums by kProductScale before their epilogues.
 // The K order is the same for every tile configuration: each output's sum is the same chain of mma

@@ -1,7 +1,7 @@
 // Internal interface of the CUDA backend: the prepared device weights and the parameter blocks and
 // host launchers of each kernel. Layering (CUTLASS-like):
 //   nvfp4_device.cuh, mma.cuh   tile math: decode, quantize, tensor-core fragments
-//   gemm_mainloop.cuh           one block tile: cp.async pipeline + decode + mma.sync
+//   gemm_mainloop.cuh           one block tile: stage pipeline (bulk copies / cp.async) + decode + mma.sync
 //   gemm_grouped.cuh            scheduling (tile -> expert, rows) and the epilogues
 //   *.cu                        host launchers (this header), backend.cu orchestrates a call.
 #pragma once
