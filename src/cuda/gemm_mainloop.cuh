@@ -78,9 +78,9 @@ template <int N> __device__ __forceinline__ void unscale_products(float (&acc)[N
 // never stored). Before sm_90 the same runs go by cp.async, 16 bytes a thread, rows past N zero-filled. The
 // token rows (gathered; zero past K) always go by cp.async. Every source pointer advances one k-block a load
 // and always points into its buffer (a copy that is off reads nothing but still needs a valid address).
-// (FP4MOE_SKINNY_CP_ASYNC, a test build's define, takes the cp.async path on sm_90 too, so the H200 runs it.)
+// (FP4MOE_GEMM_CP_ASYNC, a test build's define, takes the cp.async path on sm_90 too, so the H200 runs it.)
 template <class C> struct TileLoader {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(FP4MOE_SKINNY_CP_ASYNC)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(FP4MOE_GEMM_CP_ASYNC)
   static constexpr bool kBulk = true;
 #else
   static constexpr bool kBulk = false;

@@ -56,6 +56,9 @@ void check_plan(const ProblemShape& s, std::mt19937_64& rng) {
     EXPECT_GE(p.perm_blocks * p.perm_entries, p.rows);
     EXPECT_LT((p.perm_blocks - 1) * p.perm_entries, p.rows);
     EXPECT_LE(p.perm_blocks, 1025);
+    // The one-block kernel (its shared cache of the entries' experts holds kOneBlockPermEntries) takes every
+    // chunk up to that size, and only those.
+    EXPECT_EQ(p.perm_blocks == 1, p.rows <= kOneBlockPermEntries) << p.rows;
     EXPECT_EQ(p.perm_smem, static_cast<size_t>(E * 4));
     EXPECT_LE(p.perm_smem, 48u * 1024u);
   }
@@ -83,6 +86,9 @@ void check_plan(const ProblemShape& s, std::mt19937_64& rng) {
     const int64_t chunks = (c.k_pad + kKChunk - 1) / kKChunk, per = (chunks + c.split - 1) / c.split;
     EXPECT_LE(c.split, chunks);
     EXPECT_LT((c.split - 1) * per, chunks) << "an empty split";
+    // Only grids below the target are split, and towards at most twice the target.
+    EXPECT_LT(c.m_tiles * c.n_tiles, kSplitTargetBlocks);
+    EXPECT_LE((c.split - 1) * c.m_tiles * c.n_tiles, 2 * kSplitTargetBlocks);
     const int64_t accs = (g.bm / 8) * (g.bn / g.warps_n / 16);
     EXPECT_GE(p.split_partials.bytes, static_cast<size_t>(c.m_tiles * c.n_tiles * chunks * g.threads() * accs * 16));
     EXPECT_GE(p.split_counters.bytes, static_cast<size_t>(c.m_tiles * c.n_tiles * 4));
