@@ -1,10 +1,10 @@
-// The grouped GEMM for few rows per expert (decode and small batches): the weights are the mma A operand
-// (one or two groups of 16 weight rows per warp) and the tokens the B operand (8 per mma), so a tile of up to 32
-// token rows reads each weight byte once, and the block's many narrow column tiles keep many k-block streams in
-// flight.
-// Tokens and weights come through the STAGES shared-memory stages of gemm_mainloop.cuh (TileLoader: the weights by
-// bulk copies on sm_90, the tokens by cp.async). When the grid is small (decode), the plan splits a tile's K chunks over gridDim.z
-// blocks (kernels.h GemmProblem::split).
+// The grouped GEMM up to a few hundred rows per expert (decode, small and medium batches: plan.cpp picks it up to
+// 512 expected rows an expert): the weights are the mma A operand (one or two groups of 16 weight rows per warp)
+// and the tokens the B operand (8 per mma), so a tile of up to 32 token rows reads each weight byte once, and the
+// block's many narrow column tiles keep many k-block streams in flight.
+// Tokens and weights come through the STAGES shared-memory stages of gemm_mainloop.cuh (TileLoader: the weights
+// by bulk copies on sm_90, the tokens by cp.async). When the grid is small (decode), the plan splits a tile's K
+// chunks over gridDim.z blocks (kernels.h GemmProblem::split).
 //
 // Assumptions (asserted or guaranteed by the plan): N and K are multiples of 16; the weights use the
 // prepared layout of kernels.h; a tile has at most BM (8 or 32) rows, in groups of 8 tokens.
