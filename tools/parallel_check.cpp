@@ -8,6 +8,7 @@
 //     - TP=world and EP=world (AllReduce): every rank's y bit-identical, bit-identical across two runs,
 //       relative L2 vs the single-GPU operator <= --tol, and vs the CPU reference (--ref-tokens tokens) <= 1e-2;
 //     - TP ReduceScatter: each rank's rows equal the AllReduce rows bit for bit;
+//     - the FNV-1a hashes of the single-GPU, TP and EP outputs go to --json (to compare two launches);
 //     - failure agreement (first shape): rank 1 passes a bad y; it throws naming "y", rank 0 returns,
 //       leaves y untouched and check_device_errors reports DeviceFault naming "comm"; nothing hangs;
 //   timing (CUDA events, median of --iters runs after --warmup): single GPU, TP and EP at each of --tokens,
@@ -116,6 +117,18 @@ double rel_l2(const std::vector<double>& a, const std::vector<double>& ref) {
     den += ref[i] * ref[i];
   }
   return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+// FNV-1a (64 bit) of an output's bf16 bits, as a JSON string: two launches gave the same y when these match.
+std::string fnv1a_json(const std::vector<uint16_t>& v) {
+  uint64_t h = 1469598103934665603ull;
+  for (uint16_t x : v) {
+    h = (h ^ (x & 0xffu)) * 1099511628211ull;
+    h = (h ^ (x >> 8)) * 1099511628211ull;
+  }
+  char b[24];
+  std::snprintf(b, sizeof b, "\"%016llx\"", static_cast<unsigned long long>(h));
+  return b;
 }
 
 std::vector<double> widen(const std::vector<uint16_t>& b, const std::vector<int64_t>* rows = nullptr, int64_t H = 0) {
@@ -356,6 +369,10 @@ class Rank {
       expect(e_ep <= o_.tol, b);
       json.num(P + "tp_vs_single_rel_l2", e_tp);
       json.num(P + "ep_vs_single_rel_l2", e_ep);
+      // The outputs' bits, to compare launches (issue 8: identical across two launches).
+      json.kv(P + "single_y_fnv1a", fnv1a_json(single));
+      json.kv(P + "tp_y_fnv1a", fnv1a_json(tp_all[0]));
+      json.kv(P + "ep_y_fnv1a", fnv1a_json(ep_all[0]));
       double ref_norm = 0;
       for (double v : sd) ref_norm += v * v;
       expect(ref_norm > 0, P + "single-GPU output is not all zeros");
