@@ -58,11 +58,17 @@ __device__ __forceinline__ void weight_fragments(const uint8_t* st, const uint8_
   }
 }
 
-// Blocks an SM must hold (sets the register cap): as many as the stages' shared memory lets in on sm_90 (228 KB,
-// 1 KB of it reserved per block; NVFP4 config 0: 5, config 1: 4; bf16: 1). Left to itself, ptxas gave NVFP4
-// config 1 137 registers (3 blocks).
+// Blocks an SM must hold (sets the register cap): as many as the stages' shared memory lets in (1 KB of it
+// reserved per block). On sm_90 (228 KB: NVFP4 config 0: 5, config 1: 4; bf16: 1); left to itself, ptxas gave
+// NVFP4 config 1 137 registers (3 blocks). Other architectures are not capped: their shared memory differs
+// (sm_80 164 KB, sm_89 / sm_120 100 KB) and 228 KB's counts made ptxas spill there.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
+constexpr int kSkinnySmemPerSm = 228 * 1024;
+#else
+constexpr int kSkinnySmemPerSm = 0;
+#endif
 template <class Cfg> constexpr int kSkinnyMinBlocks =
-    228 * 1024 / (Cfg::SMEM_BYTES + 1024) < 1 ? 1 : 228 * 1024 / (Cfg::SMEM_BYTES + 1024);
+    kSkinnySmemPerSm / (Cfg::SMEM_BYTES + 1024) < 1 ? 1 : kSkinnySmemPerSm / (Cfg::SMEM_BYTES + 1024);
 
 template <class Cfg, class Epi, class Act>
 __global__ void __launch_bounds__(Cfg::THREADS, kSkinnyMinBlocks<Cfg>)
