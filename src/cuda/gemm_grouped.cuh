@@ -239,7 +239,7 @@ __global__ void __launch_bounds__(Cfg::THREADS) grouped_gemm_kernel(GemmProblem 
   if (!resolve_tile<Cfg::BM>(g, tr)) return;
   const int n0 = static_cast<int>(blockIdx.y) * Cfg::BN;
 
-  TileLoader<Cfg> ld(g, tr, tr.expert, n0, 0);
+  TileLoader<Cfg> ld(g, tr, n0, 0);
   MainLoop<Cfg> ml;
   ml.run(smem, ld, static_cast<int>(g.B.Kp / Cfg::BK));
   tile_epilogue<Cfg, Epi, Act>(ep, g, ml, tr, n0);

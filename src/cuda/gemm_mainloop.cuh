@@ -97,15 +97,16 @@ template <class C> struct TileLoader {
   const uint8_t* a_src[A_CHUNKS];  // this thread's token chunk at the next k-block
   uint32_t a_dst[A_CHUNKS];        // its offset in a stage (swizzled as the ldmatrix rows expect)
   int a_left[A_CHUNKS];            // k-blocks from the next one on that hold data for it (<= 0: zero fill)
-  const uint8_t* b_src;               // the weight run at the next k-block
-  const uint8_t* s_src;               // the scale run at the next k-block (NVFP4)
-  uint32_t b_bytes, s_bytes;          // bulk: the runs' bytes (rows < N only)
-  uint32_t b_off[B_CHUNKS > 0 ? B_CHUNKS : 1];  // before sm_90: this thread's chunks in the run (past N: row 0's)
+  const uint8_t* b_src;            // the weight run at the next k-block
+  const uint8_t* s_src;            // the scale run at the next k-block (NVFP4)
+  int64_t b_stride, s_stride;      // bytes per k-block
+  uint32_t b_bytes, s_bytes;       // sm_90: the runs' bytes (rows < N only)
+  uint32_t b_off[B_CHUNKS > 0 ? B_CHUNKS : 1];   // before sm_90: this thread's chunks in the run (past N: row 0's)
   bool b_on[B_CHUNKS > 0 ? B_CHUNKS : 1], s_on;  // before sm_90: chunk inside N (else zero fill)
-  int64_t b_stride, s_stride;         // bytes per k-block
 
+  // tr: the tile's expert and rows (TileRows); n0: its first weight row; kb0: the first k-block to load.
   template <class Rows>
-  __device__ __forceinline__ TileLoader(const GemmProblem& g, const Rows& tr, int expert, int n0, int kb0) {
+  __device__ __forceinline__ TileLoader(const GemmProblem& g, const Rows& tr, int n0, int kb0) {
     const int tid = threadIdx.x;
 #pragma unroll
     for (int i = 0; i < A_CHUNKS; ++i) {
@@ -124,14 +125,15 @@ template <class C> struct TileLoader {
     const int rows = min(C::BN, N - n0);  // >= 16: no tile starts past N
     b_stride = static_cast<int64_t>(N) * C::B_ROW_BYTES;
     s_stride = static_cast<int64_t>(N) * 4;
-    b_src = g.B.data + static_cast<int64_t>(expert) * g.B.expert_data_bytes + kb0 * b_stride +
+    b_src = g.B.data + static_cast<int64_t>(tr.expert) * g.B.expert_data_bytes + kb0 * b_stride +
             static_cast<int64_t>(n0) * C::B_ROW_BYTES;
-    s_src = C::FP4 ? g.B.sf + static_cast<int64_t>(expert) * g.B.expert_sf_bytes + kb0 * s_stride +
+    s_src = C::FP4 ? g.B.sf + static_cast<int64_t>(tr.expert) * g.B.expert_sf_bytes + kb0 * s_stride +
                          static_cast<int64_t>(n0) * 4
                    : nullptr;
-    b_bytes = rows * C::B_ROW_BYTES;
-    s_bytes = C::FP4 ? rows * 4 : 0;
-    if constexpr (!kBulk) {
+    if constexpr (kBulk) {
+      b_bytes = rows * C::B_ROW_BYTES;
+      s_bytes = C::FP4 ? rows * 4 : 0;
+    } else {
       constexpr int kRowChunks = C::B_ROW_BYTES / 16;
 #pragma unroll
       for (int i = 0; i < B_CHUNKS; ++i) {

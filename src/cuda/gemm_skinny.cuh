@@ -15,6 +15,7 @@
 // is the same bits (checked on the H200 by the batch-invariance tests, which compare this kernel's tokens with
 // the large-tile kernel's). Steps past K multiply zero padding, as there.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 
 #include "cuda/gemm_grouped.cuh"
@@ -67,8 +68,7 @@ constexpr int kSkinnySmemPerSm = 228 * 1024;
 #else
 constexpr int kSkinnySmemPerSm = 0;
 #endif
-template <class Cfg> constexpr int kSkinnyMinBlocks =
-    kSkinnySmemPerSm / (Cfg::SMEM_BYTES + 1024) < 1 ? 1 : kSkinnySmemPerSm / (Cfg::SMEM_BYTES + 1024);
+template <class Cfg> constexpr int kSkinnyMinBlocks = std::max(1, kSkinnySmemPerSm / (Cfg::SMEM_BYTES + 1024));
 
 template <class Cfg, class Epi, class Act>
 __global__ void __launch_bounds__(Cfg::THREADS, kSkinnyMinBlocks<Cfg>)
@@ -92,7 +92,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, kSkinnyMinBlocks<Cfg>)
   const int KB = static_cast<int>(g.B.Kp / Cfg::BK);
   const KRange kr = k_range(KB, static_cast<int>(blockIdx.z), g.split);
   const int nkb = kr.end - kr.begin;
-  TileLoader<Cfg> ld(g, tr, tr.expert, static_cast<int>(blockIdx.y) * Cfg::BN, kr.begin);
+  TileLoader<Cfg> ld(g, tr, static_cast<int>(blockIdx.y) * Cfg::BN, kr.begin);
   StagePipe<Cfg> pipe(smem, ld, nkb);
 
   // Split-K: this block's chunk sums go to partials[tile][chunk][thread] (tile = blockIdx.x, y).
