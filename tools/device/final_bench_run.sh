@@ -45,8 +45,7 @@ OUT="$OUT/variants" S="$S" BIN="$BIN" t0="$t0" BUDGET="$BUDGET" bash "$(dirname 
 wait $pybuild
 tail -1 /tmp/py-build.log | tee -a "$S"
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
-  d=$(python3 -c "import nvidia.nccl, os; print([os.path.join(p, 'lib') for p in nvidia.nccl.__path__][0])" 2>/dev/null)
-  [ -n "$d" ] && export FP4MOE_NCCL_LIBRARY=$d
+  export_nccl_library
   FP4MOE_BUILD_DIR=$PWD/build-py step pytest_distributed 60 python3 -m pytest -q -rs -p no:cacheprovider \
     tests/python/test_distributed.py
   tail -4 "$OUT/pytest_distributed.log" | tee -a "$S"

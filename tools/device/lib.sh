@@ -30,3 +30,12 @@ header() {
     nvidia-smi --query-gpu=index,name,driver_version,memory.total,clocks.max.sm --format=csv,noheader 2>&1
   } >> "$S"
 }
+# FP4MOE_NCCL_LIBRARY (unless set): the lib folder of PyTorch's nvidia-nccl pip package, whose libnccl.so.2 is not on
+# the loader's path.
+export_nccl_library() {
+  [ -n "${FP4MOE_NCCL_LIBRARY:-}" ] && return 0
+  local d
+  d=$(python3 -c "import nvidia.nccl, os; print([os.path.join(p, 'lib') for p in nvidia.nccl.__path__][0])" 2>/dev/null)
+  if [ -n "$d" ] && [ -e "$d/libnccl.so.2" ]; then export FP4MOE_NCCL_LIBRARY=$d; fi
+  return 0
+}

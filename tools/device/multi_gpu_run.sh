@@ -32,11 +32,7 @@ header
   echo "NCCL_NVLS_ENABLE=$NCCL_NVLS_ENABLE"
 } >> "$S" 2>&1
 
-# libnccl.so.2: PyTorch's nvidia-nccl pip package (not on the loader's path).
-if [ -z "${FP4MOE_NCCL_LIBRARY:-}" ]; then
-  d=$(python3 -c "import nvidia.nccl, os; print([os.path.join(p, 'lib') for p in nvidia.nccl.__path__][0])" 2>/dev/null)
-  if [ -n "$d" ] && [ -e "$d/libnccl.so.2" ]; then export FP4MOE_NCCL_LIBRARY=$d; fi
-fi
+export_nccl_library
 say "FP4MOE_NCCL_LIBRARY=${FP4MOE_NCCL_LIBRARY:-(unset: loader path)}"
 
 # The Python extension, built in the background on this machine (its Python is not the developer machine's).

@@ -20,11 +20,7 @@ case $W in
   8) ARGS="--world 8 --shapes kimi_k3,deepseek_v3_ep8 --kimi-experts 384" ;;
   *) say "== needs 4 or 8 GPUs, this machine has $W"; exit 2 ;;
 esac
-# libnccl.so.2: PyTorch's nvidia-nccl pip package (not on the loader's path).
-if [ -z "${FP4MOE_NCCL_LIBRARY:-}" ]; then
-  d=$(python3 -c "import nvidia.nccl, os; print([os.path.join(p, 'lib') for p in nvidia.nccl.__path__][0])" 2>/dev/null)
-  if [ -n "$d" ] && [ -e "$d/libnccl.so.2" ]; then export FP4MOE_NCCL_LIBRARY=$d; fi
-fi
+export_nccl_library
 say "world $W: fp4moe_parallel_check $ARGS; FP4MOE_NCCL_LIBRARY=${FP4MOE_NCCL_LIBRARY:-(loader path)}"
 cap=$(( (BUDGET - 20) / 2 ))
 for i in 1 2; do
