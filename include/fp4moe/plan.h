@@ -33,6 +33,11 @@ struct ProblemShape {
   // Upper bound (bytes) for the token-proportional workspace buffers; tokens beyond it are processed
   // in chunks of chunk_tokens. 0 = the default (kDefaultWorkspaceBudget).
   int64_t workspace_budget = 0;
+  // The device runs the sm_90a wgmma tile (compute capability 9.0; set by the CUDA backend). The workspace does
+  // not depend on it.
+  bool wgmma = false;
+  // Forces the GEMM tile (index into kGemmConfigs; MoeArgs::gemm_tile), -1 = chosen from the rows an expert.
+  int gemm_config = -1;
 };
 
 // One region of the workspace.
@@ -48,6 +53,7 @@ struct GemmConfig {
   int warps_m = 0, warps_n = 0;     // warp grid
   int stages = 0;                   // shared-memory pipeline depth (src/cuda/gemm_mainloop.cuh StagePipe)
   bool weights_as_a = false;        // src/cuda/gemm_skinny.cuh: weights as the mma A operand, bn / warps_n rows a warp
+  bool wgmma = false;               // the sm_90a warpgroup MMA (src/cuda/wgmma.cuh): ProblemShape::wgmma devices only
   int threads() const { return 32 * warps_m * warps_n; }
 };
 
@@ -148,12 +154,24 @@ constexpr int64_t kSplitTargetBlocks = 528;
 // warp's serial walk: at 1024 entries 32 steps.)
 constexpr int64_t kOneBlockPermEntries = 1024;
 
-constexpr int kNumGemmConfigs = 3;
+constexpr int kNumGemmConfigs = 4;
 inline constexpr GemmConfig kGemmConfigs[kNumGemmConfigs] = {
     {8, 128, 64, 1, 4, 8, true},   // decode: <= 8 rows per expert tile, 32 weight rows a warp, many bytes in flight
     {32, 128, 64, 1, 4, 6, true},  // up to 512 rows an expert (plan.cpp), in tiles of <= 32 rows
     {64, 128, 64, 2, 4, 3},        // more rows an expert (a 128-row tile ran 1 block an SM at 244 registers: slower)
+    // sm_90a: two warpgroups, each 64 weight rows (register A) x the 64 tokens (shared B) with wgmma. The same
+    // rows, columns and threads as config 2, so the grid and the workspace do not depend on the device.
+    {64, 128, 64, 1, 8, 4, true, true},
 };
+// The stage bytes of a tile (tokens, weights, their scales) and its dynamic shared memory: a wgmma tile's stages
+// start 1024-byte aligned (the 128-byte swizzle's atom), with 1 KB to align the base (src/cuda/gemm_mainloop.cuh).
+constexpr int64_t gemm_stage_bytes(const GemmConfig& g, bool fp4) {
+  const int64_t b = fp4 ? g.bn * (g.bk / 2 + g.bk / 16) : g.bn * g.bk * 2, raw = g.bm * g.bk * 2 + b;
+  return g.wgmma ? (raw + 1023) / 1024 * 1024 : raw;
+}
+constexpr int64_t gemm_smem_bytes(const GemmConfig& g, bool fp4) {
+  return g.stages * gemm_stage_bytes(g, fp4) + (g.wgmma ? 1024 : 0);
+}
 
 // Throws Error(InvalidArgument/Unsupported) naming the argument for shapes the kernels cannot take.
 MoePlan make_plan(const ProblemShape& shape);

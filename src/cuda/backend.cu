@@ -479,6 +479,8 @@ void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& a
   s.shared_I = sw ? sw->I : 0;
   s.has_lora = lora;
   s.max_lora_rank = lora ? max_rank : 0;
+  s.wgmma = wgmma_supported_on(w.device_id);
+  s.gemm_config = args.gemm_tile;
   const MoePlan plan = make_plan(s);
   if (plan.num_chunks == 0) return;
 

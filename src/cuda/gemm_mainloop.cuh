@@ -16,11 +16,14 @@
 
 namespace fp4moe::cuda_backend {
 
-// WEIGHTS_AS_A: the block tile of gemm_skinny.cuh (same stages, tokens as the mma B operand).
-template <int BM_, int BN_, int WARPS_M_, int WARPS_N_, int STAGES_, bool FP4_, bool WEIGHTS_AS_A_ = false>
+// WEIGHTS_AS_A: the block tile of gemm_skinny.cuh (same stages, tokens as the mma B operand); WGMMA: its sm_90a
+// form (wgmma.cuh), stages 1024-byte aligned.
+template <int BM_, int BN_, int WARPS_M_, int WARPS_N_, int STAGES_, bool FP4_, bool WEIGHTS_AS_A_ = false,
+          bool WGMMA_ = false>
 struct TileConfig {
   static constexpr int BM = BM_, BN = BN_, BK = 64, WARPS_M = WARPS_M_, WARPS_N = WARPS_N_, STAGES = STAGES_;
-  static constexpr bool FP4 = FP4_, WEIGHTS_AS_A = WEIGHTS_AS_A_;
+  static constexpr bool FP4 = FP4_, WEIGHTS_AS_A = WEIGHTS_AS_A_, WGMMA = WGMMA_;
+  static constexpr GemmConfig kPlan{BM, BN, BK, WARPS_M, WARPS_N, STAGES, WEIGHTS_AS_A, WGMMA};  // plan.h's view
   static constexpr int THREADS = 32 * WARPS_M * WARPS_N;
   static constexpr int WTM = BM / WARPS_M, WTN = BN / WARPS_N;  // warp tile
   static constexpr int MT = WTM / 16, NT = WTN / 8;             // mma tiles per warp
@@ -28,13 +31,22 @@ struct TileConfig {
   static constexpr int A_BYTES = BM * BK * 2;
   static constexpr int B_BYTES = BN * B_ROW_BYTES;
   static constexpr int SF_BYTES = FP4 ? BN * 4 : 0;
-  static constexpr int STAGE_BYTES = A_BYTES + B_BYTES + SF_BYTES;
-  static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES;
+  static constexpr int STAGE_BYTES = static_cast<int>(gemm_stage_bytes(kPlan, FP4));
+  static constexpr int SMEM_BYTES = static_cast<int>(gemm_smem_bytes(kPlan, FP4));
   static constexpr int A_CHUNKS = (BM * 8 + THREADS - 1) / THREADS;  // 16-byte A chunks per thread per stage
+  static_assert(STAGE_BYTES >= A_BYTES + B_BYTES + SF_BYTES, "stage layout");
   static_assert(BM % (WEIGHTS_AS_A ? 8 : 16 * WARPS_M) == 0 && BN % (8 * WARPS_N) == 0, "warp tiling");
   static_assert((BM * 8) % THREADS == 0 || BM * 8 < THREADS, "A chunks per thread");
   static_assert(B_BYTES % 16 == 0 && SF_BYTES % 16 == 0, "16-byte chunks");
+  static_assert(!WGMMA || (WEIGHTS_AS_A && WARPS_N % 4 == 0 && A_BYTES % 1024 == 0), "wgmma: warpgroups, aligned B");
 };
+
+// The stages' base in the dynamic shared memory: a wgmma tile's is rounded up to 1024 bytes (SMEM_BYTES holds
+// the extra kilobyte), the swizzle atom that the token tile's descriptors assume.
+template <class C> __device__ __forceinline__ uint8_t* stage_base(uint8_t* smem) {
+  if constexpr (!C::WGMMA) return smem;
+  else return smem + ((1024u - (dev::smem_addr(smem) & 1023u)) & 1023u);
+}
 
 // The (token, slot) entry of permuted row r (dense problems: the row itself).
 __device__ __forceinline__ int entry_of(const GemmProblem& g, int r) { return g.row_entry ? g.row_entry[r] : r; }
@@ -213,6 +225,7 @@ template <class C> struct StagePipe {
   // The shared-space address of the next k-block's stage, its copies landed and visible to every thread.
   __device__ __forceinline__ uint32_t next(TileLoader<C>& ld) {
     dev::cp_async_wait<C::STAGES - 2>();
+    if constexpr (C::WGMMA) dev::fence_proxy_async();  // the tokens (cp.async) are read by wgmma (async proxy)
     __syncthreads();
     const uint32_t sstage = sbase + rd * C::STAGE_BYTES;
     ld.wait_weights(bar0 + 8 * rd, ph);

@@ -20,13 +20,17 @@
 
 #include "cuda/gemm_grouped.cuh"
 #include "cuda/pdl.cuh"
+#include "cuda/wgmma.cuh"
 
 namespace fp4moe::cuda_backend {
 
 // BM tokens x BN = 16 * RG * WARPS weight rows a block (RG row groups of 16 per warp); a stage is laid out as the
 // mma.sync tile's (tokens in sA, weights and scales in sB / sSF), so the tokens stream with the weights.
-template <int BM, int WARPS, int STAGES, bool FP4, int RG = 2>
-using SkinnyConfig = TileConfig<BM, 16 * RG * WARPS, 1, WARPS, STAGES, FP4, true>;
+// WGMMA (sm_90a, RG = 1): each warpgroup multiplies its 64 weight rows (register A, the same fragments) by all BM
+// tokens (shared B) with one wgmma m64nBMk16 a k16 step; the accumulators are the same fragments as BM / 8 token
+// groups of mma.sync, so the split-K and epilogue code below serve both.
+template <int BM, int WARPS, int STAGES, bool FP4, int RG = 2, bool WGMMA = false>
+using SkinnyConfig = TileConfig<BM, 16 * RG * WARPS, 1, WARPS, STAGES, FP4, true, WGMMA>;
 
 // One warp's A fragments (16 weight rows x one k16 step) for the 4 steps of a k-block in shared memory:
 // thread (g, t) holds rows g and g + 8 at k = 2t, 2t+1 and 2t+8, 2t+9 — in the prepared layout, the bytes
@@ -62,13 +66,15 @@ __device__ __forceinline__ void weight_fragments(const uint8_t* st, const uint8_
 // Blocks an SM must hold (sets the register cap): as many as the stages' shared memory lets in (1 KB of it
 // reserved per block). On sm_90 (228 KB: NVFP4 config 0: 5, config 1: 4; bf16: 1); left to itself, ptxas gave
 // NVFP4 config 1 137 registers (3 blocks). Other architectures are not capped: their shared memory differs
-// (sm_80 164 KB, sm_89 / sm_120 100 KB) and 228 KB's counts made ptxas spill there.
+// (sm_80 164 KB, sm_89 / sm_120 100 KB) and 228 KB's counts made ptxas spill there. The wgmma tile holds two
+// chunk sums of BM / 2 registers a thread: two blocks (128 registers) whatever its shared memory allows.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
 constexpr int kSkinnySmemPerSm = 228 * 1024;
 #else
 constexpr int kSkinnySmemPerSm = 0;
 #endif
-template <class Cfg> constexpr int kSkinnyMinBlocks = std::max(1, kSkinnySmemPerSm / (Cfg::SMEM_BYTES + 1024));
+template <class Cfg> constexpr int kSkinnyMinBlocks =
+    Cfg::WGMMA ? 2 : std::max(1, kSkinnySmemPerSm / (Cfg::SMEM_BYTES + 1024));
 
 template <class Cfg, class Epi, class Act>
 __global__ void __launch_bounds__(Cfg::THREADS, kSkinnyMinBlocks<Cfg>)
@@ -77,11 +83,12 @@ __global__ void __launch_bounds__(Cfg::THREADS, kSkinnyMinBlocks<Cfg>)
   // decode streams (a decode GEMM is bound by the instructions per weight byte).
   constexpr int RG = Cfg::BN / (16 * Cfg::WARPS_N);
   static_assert(Cfg::WEIGHTS_AS_A && Cfg::WARPS_M == 1 && (RG == 1 || RG == 2) && Cfg::BN == 16 * RG * Cfg::WARPS_N &&
-                    Cfg::BM % 8 == 0,
+                    Cfg::BM % 8 == 0 && (!Cfg::WGMMA || RG == 1),
                 "skinny tile");
   constexpr int GROUPS = Cfg::BM / 8;
   constexpr int ACCS = GROUPS * RG;  // accumulator (token group i, row group r) at i * RG + r
-  extern __shared__ __align__(128) uint8_t smem[];
+  extern __shared__ __align__(128) uint8_t smem_raw[];
+  uint8_t* smem = stage_base<Cfg>(smem_raw);
   dev::pdl_wait();
   dev::pdl_launch_dependents();
   TileRows tr;
@@ -136,19 +143,36 @@ __global__ void __launch_bounds__(Cfg::THREADS, kSkinnyMinBlocks<Cfg>)
 #pragma unroll
       for (int r = 0; r < RG; ++r)
         weight_fragments<Cfg>(st + w_off + r * 16 * Cfg::B_ROW_BYTES, st + sf_off + r * 64, wa[r]);
+      if constexpr (Cfg::WGMMA) {
+        // One wgmma a k16 step: D[64 rows][BM tokens] += A (wa) . B (the stage's token rows, 32 bytes a step).
+        // Every token row is multiplied (rows past the tile are zero-filled; their outputs are never stored).
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+        dev::wgmma_fence_acc(part);
+        dev::wgmma_fence();
 #pragma unroll
-      for (int i = 0; i < GROUPS; ++i) {
-        if (i >= groups) break;
-        // Tokens i*8 .. i*8+7 as B fragments, two k16 steps per ldmatrix.x4 (matrix j = k chunk 4h + j), shared
-        // by the row groups.
+        for (int s = 0; s < 4; ++s)
+          dev::Wgmma<Cfg::BM>::rs(part, wa[0][s], dev::wgmma_desc_sw128(sstage + 32 * s), true);
+        dev::wgmma_commit();
+        dev::wgmma_wait<0>();  // before the next k-block's copies may overwrite this stage
+        dev::wgmma_fence_acc(part);
+#else
+        __trap();  // the plan picks this tile on sm_90a devices only (ProblemShape::wgmma)
+#endif
+      } else {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          uint32_t b[4];
-          dev::ldmatrix_x4(b, sstage + tok_off[i][h]);
+        for (int i = 0; i < GROUPS; ++i) {
+          if (i >= groups) break;
+          // Tokens i*8 .. i*8+7 as B fragments, two k16 steps per ldmatrix.x4 (matrix j = k chunk 4h + j), shared
+          // by the row groups.
 #pragma unroll
-          for (int r = 0; r < RG; ++r) {
-            dev::mma_bf16_16816(part[i * RG + r], wa[r][2 * h], b);
-            dev::mma_bf16_16816(part[i * RG + r], wa[r][2 * h + 1], b + 2);
+          for (int h = 0; h < 2; ++h) {
+            uint32_t b[4];
+            dev::ldmatrix_x4(b, sstage + tok_off[i][h]);
+#pragma unroll
+            for (int r = 0; r < RG; ++r) {
+              dev::mma_bf16_16816(part[i * RG + r], wa[r][2 * h], b);
+              dev::mma_bf16_16816(part[i * RG + r], wa[r][2 * h + 1], b + 2);
+            }
           }
         }
       }

@@ -253,6 +253,8 @@ void launch_routing(const RoutingParams& p, int warps_per_block, size_t smem, cu
 void launch_permute(const PermuteParams& p, cudaStream_t stream);
 // After launch_permute, with LoRA: each expert's rows sorted by (adapter slot, entry) (permute.cu).
 void launch_order_by_adapter(const PermuteParams& p, cudaStream_t stream);
+// Whether device dev runs the sm_90a wgmma tile (plan.h kGemmConfigs[3]; ProblemShape::wgmma).
+bool wgmma_supported_on(int dev);
 void launch_gemm1(int config, WeightFormat fmt, ActivationType act, const GemmProblem& g, const Epilogue1Params& e,
                   int n_tiles, int m_tiles, cudaStream_t stream);
 void launch_gemm2(int config, WeightFormat fmt, const GemmProblem& g, const Epilogue2Params& e, int n_tiles,

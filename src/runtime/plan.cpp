@@ -62,6 +62,11 @@ void check_shape(const ProblemShape& s) {
     invalid("max_lora_rank", "expected 0 (unknown) or 1.." + std::to_string(kMaxLoraRank) + ", got " +
                              std::to_string(s.max_lora_rank));
   if (s.workspace_budget < 0) invalid("workspace_budget", "expected >= 0");
+  if (s.gemm_config < -1 || s.gemm_config >= kNumGemmConfigs)
+    invalid("gemm_tile", "expected -1 (chosen) or 0.." + std::to_string(kNumGemmConfigs - 1) + ", got " +
+                             std::to_string(s.gemm_config));
+  if (s.gemm_config >= 0 && kGemmConfigs[s.gemm_config].wgmma && !s.wgmma)
+    unsupported("gemm_tile", "tile " + std::to_string(s.gemm_config) + " needs wgmma (compute capability 9.0)");
 }
 
 }  // namespace
@@ -109,7 +114,9 @@ MoePlan make_plan(const ProblemShape& shape) {
   // (session7-dev run 5: qwen3 T=1024 586 -> 526 us, kimi T=4096 1979 -> 1803, T=16384 7822 -> 7288,
   // deepseek_v3_ep8 T=16384 10438 -> 8649; qwen3 T=4096 and mixtral unchanged); above, the 64-row tile.
   const int64_t avg_rows = ceil_div(p.rows, s.E_loc);
-  p.gemm_config = avg_rows <= 6 ? 0 : (avg_rows <= 512 ? 1 : 2);
+  // sm_90a: the wgmma tile (config 3) where the 64-row tile would run.
+  auto choose = [&](bool wgmma) { return avg_rows <= 6 ? 0 : (avg_rows <= 512 ? 1 : (wgmma ? 3 : 2)); };
+  p.gemm_config = s.gemm_config >= 0 ? s.gemm_config : choose(s.wgmma);
   p.gemm = kGemmConfigs[p.gemm_config];
   const GemmConfig& g = p.gemm;
   p.k1_pad = round_up(H, g.bk);
@@ -117,36 +124,49 @@ MoePlan make_plan(const ProblemShape& shape) {
   p.n1_tiles = ceil_div(p.n1, g.bn);
   p.n2_tiles = ceil_div(H, g.bn);
   // sum_e ceil(c_e / bm) <= ceil(rows / bm) + (number of non-empty experts) <= ceil(rows/bm) + min(E_loc, rows).
-  p.max_m_tiles = p.rows == 0 ? 0 : ceil_div(p.rows, g.bm) + std::min<int64_t>(s.E_loc, p.rows);
+  auto m_tiles_of = [&](const GemmConfig& c) {
+    return p.rows == 0 ? 0 : ceil_div(p.rows, c.bm) + std::min<int64_t>(s.E_loc, p.rows);
+  };
+  p.max_m_tiles = m_tiles_of(g);
   if (s.has_shared) {
     p.shared_n1 = s.gated ? 2 * s.shared_I : s.shared_I;
     p.shared_n1_tiles = ceil_div(p.shared_n1, g.bn);
     p.shared_m_tiles = ceil_div(p.chunk_tokens, g.bm);
     p.shared_k2_pad = round_up(s.shared_I, g.bk);
   }
-  // Split-K: weights-as-A tiles on a grid below kSplitTargetBlocks, when the one-block permutation (which zeroes
-  // the counters) runs, split towards twice that many blocks (H200, kimi_k3_tp8 T=8: 432 planned blocks split 2 ->
-  // 3 took 85.6 -> 79.9 us; grids at or above the target stay whole: splitting qwen3 T=8's 864 blocks in two took
-  // 68.7 -> 78.4 us). Whole chunks per block; no block without a chunk.
+  // Split-K: mma.sync weights-as-A tiles on a grid below kSplitTargetBlocks, when the one-block permutation (which
+  // zeroes the counters) runs, split towards twice that many blocks (H200, kimi_k3_tp8 T=8: 432 planned blocks
+  // split 2 -> 3 took 85.6 -> 79.9 us; grids at or above the target stay whole: splitting qwen3 T=8's 864 blocks
+  // in two took 68.7 -> 78.4 us). Whole chunks per block; no block without a chunk.
   int64_t partial_floats = 0, counters = 0;
-  auto split_of = [&](int64_t m_tiles, int64_t n_tiles, int64_t k_pad) {
+  auto split_of = [&](const GemmConfig& c, int64_t m_tiles, int64_t n_tiles, int64_t k_pad, bool size_only) {
     const int64_t blocks = m_tiles * n_tiles, chunks = ceil_div(k_pad, kKChunk);
-    if (!g.weights_as_a || p.perm_blocks != 1 || blocks == 0 || blocks >= kSplitTargetBlocks || chunks < 2) return 1;
+    if (!c.weights_as_a || c.wgmma || p.perm_blocks != 1 || blocks == 0 || blocks >= kSplitTargetBlocks || chunks < 2)
+      return 1;
     const int64_t want = std::min(chunks, ceil_div(2 * kSplitTargetBlocks, blocks));
     const int64_t split = ceil_div(chunks, ceil_div(chunks, want));
-    const int64_t rows_per_warp = g.bn / g.warps_n;  // accumulators: (bm / 8) token groups x (rows / 16) x 4
-    partial_floats = std::max(partial_floats, blocks * chunks * g.threads() * (g.bm / 8) * (rows_per_warp / 16) * 4);
+    const int64_t rows_per_warp = c.bn / c.warps_n;  // accumulators: (bm / 8) token groups x (rows / 16) x 4
+    partial_floats = std::max(partial_floats, blocks * chunks * c.threads() * (c.bm / 8) * (rows_per_warp / 16) * 4);
     counters = std::max(counters, blocks);
-    return static_cast<int>(split);
+    return size_only ? 1 : static_cast<int>(split);
   };
-  p.split1 = split_of(p.max_m_tiles, p.n1_tiles, p.k1_pad);
-  p.split2 = split_of(p.max_m_tiles, p.n2_tiles, p.k2_pad);
-  if (s.has_shared) {
-    p.shared_split1 = split_of(p.shared_m_tiles, p.shared_n1_tiles, p.k1_pad);
-    p.shared_split2 = split_of(p.shared_m_tiles, p.n2_tiles, p.shared_k2_pad);
-  }
-  const int64_t b_stage = s.format == WeightFormat::NVFP4 ? g.bn * (g.bk / 2 + g.bk / 16) : g.bn * g.bk * 2;
-  p.gemm_smem = static_cast<size_t>(g.stages * (g.bm * g.bk * 2 + b_stage));
+  auto splits = [&](const GemmConfig& c, bool size_only) {
+    const int64_t m = m_tiles_of(c), n1t = ceil_div(p.n1, c.bn), n2t = ceil_div(H, c.bn);
+    p.split1 = split_of(c, m, n1t, p.k1_pad, size_only);
+    p.split2 = split_of(c, m, n2t, p.k2_pad, size_only);
+    if (s.has_shared) {
+      const int64_t sm = ceil_div(p.chunk_tokens, c.bm), sn1t = ceil_div(p.shared_n1, c.bn);
+      p.shared_split1 = split_of(c, sm, sn1t, p.k1_pad, size_only);
+      p.shared_split2 = split_of(c, sm, n2t, p.shared_k2_pad, size_only);
+    }
+  };
+  // The workspace is sized for the tile the device-independent choice takes too, so that workspace_size (which
+  // the caller asks without a device) holds on every device; then the splits of the tile that runs.
+  const GemmConfig& g0 = kGemmConfigs[s.gemm_config >= 0 ? s.gemm_config : choose(false)];
+  splits(g0, true);
+  splits(g, false);
+  const int64_t tile_info_tiles = std::max(p.max_m_tiles, m_tiles_of(g0));
+  p.gemm_smem = static_cast<size_t>(gemm_smem_bytes(g, s.format == WeightFormat::NVFP4));
   if (p.max_m_tiles > 0x7fffffff || p.shared_m_tiles > 0x7fffffff)
     unsupported("T", "too many row tiles for one launch");
   if (p.n1_tiles > 65535 || p.n2_tiles > 65535 || p.shared_n1_tiles > 65535) unsupported("H", "too many column tiles");
@@ -164,7 +184,7 @@ MoePlan make_plan(const ProblemShape& shape) {
   }
   p.block_counts = L.take(p.perm_blocks * s.E_loc * 4);
   p.expert_offsets = L.take(R == 0 ? 0 : (s.E_loc + 1) * 4);
-  p.tile_info = L.take(R == 0 ? 0 : (p.max_m_tiles * 2 + 1) * 4);
+  p.tile_info = L.take(R == 0 ? 0 : (tile_info_tiles * 2 + 1) * 4);
   p.row_entry = L.take(R * 4);
   if (s.mode == ActMode::A4) {
     p.x_q = L.take(Tc * H * 2);

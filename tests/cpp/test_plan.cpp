@@ -24,9 +24,28 @@ void check_plan(const ProblemShape& s, std::mt19937_64& rng) {
                                     << " E_total=" << s.E_total << " k=" << s.k << " gated=" << s.gated
                                     << " A4=" << (s.mode == ActMode::A4) << " bf16=" << (s.format == WeightFormat::BF16)
                                     << " shared=" << s.has_shared << " budget=" << s.workspace_budget
-                                    << " lora=" << s.has_lora << " r=" << s.max_lora_rank);
+                                    << " lora=" << s.has_lora << " r=" << s.max_lora_rank
+                                    << " wgmma=" << s.wgmma << " tile=" << s.gemm_config);
   const MoePlan p = make_plan(s);
   ASSERT_EQ(workspace_size(s), p.workspace_bytes);
+  if (!s.wgmma && s.gemm_config < 0) {
+    // On a wgmma device: the wgmma tile where the 64-row tile would run, the same workspace (workspace_size is
+    // asked without a device), and a plan that keeps every invariant below.
+    ProblemShape w = s;
+    w.wgmma = true;
+    const MoePlan pw = make_plan(w);
+    EXPECT_EQ(pw.workspace_bytes, p.workspace_bytes);
+    EXPECT_EQ(pw.gemm_config, p.gemm_config == 2 ? 3 : p.gemm_config);
+    check_plan(w, rng);
+    // Every tile forced (MoeArgs::gemm_tile) is a plan of its own that keeps them too.
+    for (int t = 0; t < kNumGemmConfigs; ++t) {
+      ProblemShape f = s;
+      f.gemm_config = t;
+      f.wgmma = kGemmConfigs[t].wgmma;
+      EXPECT_EQ(make_plan(f).gemm_config, t);
+      check_plan(f, rng);
+    }
+  }
   const int64_t T = s.T, k = s.k, H = s.H, I = s.I, E = s.E_loc;
 
   // Chunks cover all tokens, none is empty, and T = 0 launches nothing.
@@ -82,6 +101,7 @@ void check_plan(const ProblemShape& s, std::mt19937_64& rng) {
     EXPECT_GE(c.split, 1);
     if (c.split == 1) continue;
     EXPECT_TRUE(g.weights_as_a);
+    EXPECT_FALSE(g.wgmma);
     EXPECT_EQ(p.perm_blocks, 1);
     const int64_t chunks = (c.k_pad + kKChunk - 1) / kKChunk, per = (chunks + c.split - 1) / c.split;
     EXPECT_LE(c.split, chunks);
@@ -95,6 +115,14 @@ void check_plan(const ProblemShape& s, std::mt19937_64& rng) {
   }
   EXPECT_LE(g.threads(), 1024);
   EXPECT_LE(p.gemm_smem, 227u * 1024u);
+  EXPECT_EQ(static_cast<int64_t>(p.gemm_smem), gemm_smem_bytes(g, s.format == WeightFormat::NVFP4));
+  if (g.wgmma) {  // whole warpgroups of 64 weight rows; 1024-byte stages (the 128-byte swizzle's atom)
+    EXPECT_TRUE(s.wgmma);
+    EXPECT_EQ(g.warps_n % 4, 0);
+    EXPECT_EQ(g.bn, 16 * g.warps_n);
+    EXPECT_EQ(gemm_stage_bytes(g, s.format == WeightFormat::NVFP4) % 1024, 0);
+    EXPECT_EQ(g.bm * g.bk * 2 % 1024, 0);
+  }
   EXPECT_EQ(p.n1, s.gated ? 2 * I : I);
   EXPECT_GE(p.n1_tiles * g.bn, p.n1);
   EXPECT_LT((p.n1_tiles - 1) * g.bn, p.n1);
@@ -354,6 +382,18 @@ TEST(Plan, RefusesShapesTheKernelsCannotTake) {
   }
   s = ok; s.T = -1;
   try { (void)make_plan(s); ADD_FAILURE(); } catch (const Error& e) { EXPECT_EQ(e.argument(), "T"); }
+  for (int t : {-2, kNumGemmConfigs}) {
+    s = ok; s.gemm_config = t;
+    try { (void)make_plan(s); ADD_FAILURE() << t; } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::InvalidArgument); EXPECT_EQ(e.argument(), "gemm_tile");
+    }
+  }
+  s = ok; s.gemm_config = 3;  // the wgmma tile on a device without it
+  try { (void)make_plan(s); ADD_FAILURE(); } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::Unsupported); EXPECT_EQ(e.argument(), "gemm_tile");
+  }
+  s.wgmma = true;
+  EXPECT_NO_THROW(make_plan(s));
   s = ok; s.k = 0;
   try { (void)make_plan(s); ADD_FAILURE(); } catch (const Error& e) { EXPECT_EQ(e.argument(), "routing.top_k"); }
   s = ok; s.E_loc = 1024; s.E_total = 1024; s.k = 65;

@@ -9,6 +9,7 @@
 #include <map>
 #include <random>
 
+#include "cuda/kernels.h"
 #include "fp4moe/plan.h"
 #include "gpu_harness.h"
 
@@ -223,21 +224,34 @@ TEST(GpuNvfp4, SpecialScaleCodes) {
 TEST(GpuBatchInvariance, SubBatchesEqualFullBatch) {
   FP4MOE_SKIP_WITHOUT_GPU();
   // Full batches of 300 tokens over 32 experts (75 rows an expert: the 32-row weights-as-A tile) and of 1100 over 16
-  // (550 rows an expert, one chunk: the 64-row mma.sync tile; plan.cpp's thresholds) against sub-batches of 1 and 4
-  // tokens (the 8-row tile, split-K).
-  for (int mode = 0; mode < 4; ++mode) {
+  // (550 rows an expert, one chunk: the 64-row tile, wgmma on an H200; plan.cpp's thresholds) against sub-batches of
+  // 1 and 4 tokens (the 8-row tile, split-K), and the full batch again with every tile forced (MoeArgs::gemm_tile):
+  // mma.sync and wgmma, tokens as A or B. Modes 0-3: NVFP4 A16 / A4 with a shared expert; mode 4: bf16 weights.
+  const bool wgmma = cuda_backend::wgmma_supported_on(0);
+  std::printf("STAT batch invariance: wgmma tile %s\n", wgmma ? "on this device (compared)" : "not on this device");
+  for (int mode = 0; mode < 5; ++mode) {
     Case c;
     c.shape = model("kimi_k3_tp8");
     c.E_loc = c.E_total = mode < 2 ? 32 : 16;
     c.T = mode < 2 ? 300 : 1100;
     c.mode = mode % 2 ? ActMode::A4 : ActMode::A16;
-    c.shared = true;
+    c.format = mode == 4 ? WeightFormat::BF16 : WeightFormat::NVFP4;
+    c.shared = mode < 4;
     c.shared_I = 384;
     auto layer = make_layer(c);
     Inputs in = make_inputs(c);
     auto call = make_gpu_call(c, in, *layer);
     const auto y = run_gpu(layer->gpu, *call);
-    EXPECT_EQ(make_plan(problem_shape(c)).gemm_config, mode < 2 ? 1 : 2) << "the full batch's tile (mode " << mode << ")";
+    ProblemShape ps = problem_shape(c);
+    ps.wgmma = wgmma;
+    EXPECT_EQ(make_plan(ps).gemm_config, mode < 2 ? 1 : (wgmma ? 3 : 2)) << "the full batch's tile (mode " << mode << ")";
+    for (int tile = 0; tile < kNumGemmConfigs; ++tile) {
+      if (kGemmConfigs[tile].wgmma && !wgmma) continue;
+      Case ct = c;
+      ct.gemm_tile = tile;
+      auto tc = make_gpu_call(ct, in, *layer);
+      EXPECT_TRUE(run_gpu(layer->gpu, *tc) == y) << "tile " << tile << " differs (mode " << mode << ")";
+    }
     for (const std::vector<int64_t>& sub : {std::vector<int64_t>{5}, std::vector<int64_t>{5, 17, 40, c.T - 1}}) {
       Case cs = c;
       cs.T = static_cast<int64_t>(sub.size());

@@ -1,0 +1,37 @@
+// wgmma (sm_90a): the warpgroup MMA of the Hopper tile (gemm_skinny.cuh with SkinnyConfig's WGMMA flag). The
+// weights are the register A operand (decoded NVFP4, the same fragments as mma.sync's A), the tokens the
+// shared-memory B operand, in the 128-byte-swizzled rows the TileLoader writes (row r's 16-byte chunk c at
+// r * 128 + ((c ^ (r & 7)) << 4), 1024-byte aligned stage): wgmma's SWIZZLE_128B K-major layout.
+#pragma once
+#include <cstdint>
+
+#include "cuda/wgmma_ops.cuh"
+
+namespace fp4moe::cuda_backend::dev {
+
+// The matrix descriptor of a K-major, 128-byte-swizzled operand whose rows are 128 bytes (64 bf16) and whose
+// 8-row groups are 1024 bytes apart; addr: the shared-space address of the 16 K (32 bytes) to read from row 0
+// (the group's base, 1024-byte aligned, plus 32 * k16 step). The leading offset is unused for this layout (set
+// to 1, as the PTX ISA's canonical layouts list it).
+__device__ __forceinline__ uint64_t wgmma_desc_sw128(uint32_t addr) {
+  return static_cast<uint64_t>((addr & 0x3ffffu) >> 4) | (static_cast<uint64_t>(1) << 16) |
+         (static_cast<uint64_t>(1024 >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
+}
+
+// Orders this thread's register writes (the A fragments, the accumulators) before the wgmmas that read them.
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+// Waits until at most N committed groups are pending; the accumulators are then readable.
+template <int N> __device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Keeps the compiler from moving accumulator reads or writes across a wgmma (their registers are asm operands
+// only at the issue; the hardware writes them until wgmma_wait).
+template <int G> __device__ __forceinline__ void wgmma_fence_acc(float (&d)[G][4]) {
+#pragma unroll
+  for (int j = 0; j < G; ++j)
+#pragma unroll
+    for (int q = 0; q < 4; ++q) asm volatile("" : "+f"(d[j][q])::"memory");
+}
+
+}  // namespace fp4moe::cuda_backend::dev
