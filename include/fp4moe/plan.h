@@ -154,7 +154,7 @@ constexpr int64_t kSplitTargetBlocks = 528;
 // warp's serial walk: at 1024 entries 32 steps.)
 constexpr int64_t kOneBlockPermEntries = 1024;
 
-constexpr int kNumGemmConfigs = 4;
+constexpr int kNumGemmConfigs = 5;
 inline constexpr GemmConfig kGemmConfigs[kNumGemmConfigs] = {
     {8, 128, 64, 1, 4, 8, true},   // decode: <= 8 rows per expert tile, 32 weight rows a warp, many bytes in flight
     {32, 128, 64, 1, 4, 6, true},  // up to 512 rows an expert (plan.cpp), in tiles of <= 32 rows
@@ -162,6 +162,7 @@ inline constexpr GemmConfig kGemmConfigs[kNumGemmConfigs] = {
     // sm_90a: two warpgroups, each 64 weight rows (register A) x the 64 tokens (shared B) with wgmma. The same
     // rows, columns and threads as config 2, so the grid and the workspace do not depend on the device.
     {64, 128, 64, 1, 8, 4, true, true},
+    {128, 128, 64, 1, 8, 5, true, true},  // the same with 128 tokens (one block an SM)
 };
 // The stage bytes of a tile (tokens, weights, their scales) and its dynamic shared memory: a wgmma tile's stages
 // start 1024-byte aligned (the 128-byte swizzle's atom), with 1 KB to align the base (src/cuda/gemm_mainloop.cuh).
