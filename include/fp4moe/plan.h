@@ -162,7 +162,7 @@ inline constexpr GemmConfig kGemmConfigs[kNumGemmConfigs] = {
     // sm_90a: two warpgroups, each 64 weight rows (register A) x the 64 tokens (shared B) with wgmma. The same
     // rows, columns and threads as config 2, so the grid and the workspace do not depend on the device.
     {64, 128, 64, 1, 8, 4, true, true},
-    {128, 128, 64, 1, 8, 5, true, true},  // the same with 128 tokens (one block an SM)
+    {128, 64, 64, 1, 4, 4, true, true},  // one warpgroup, 128 tokens
 };
 // The stage bytes of a tile (tokens, weights, their scales) and its dynamic shared memory: a wgmma tile's stages
 // start 1024-byte aligned (the 128-byte swizzle's atom), with 1 KB to align the base (src/cuda/gemm_mainloop.cuh).

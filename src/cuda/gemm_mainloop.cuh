@@ -199,13 +199,10 @@ template <class C> struct TileLoader {
 
 // The STAGES-deep pipeline of a block tile: stage s is bytes [s * STAGE_BYTES, +STAGE_BYTES) of the dynamic
 // shared memory, its weights complete on barrier s (phase n: its n-th load). next() waits for the k-block after
-// the last one returned and issues the copies kAhead k-blocks ahead, into the stage of k-block j + kAhead - STAGES:
-// mma.sync tiles load STAGES - 1 ahead (into the stage every thread finished reading before this k-block's
-// __syncthreads); wgmma tiles STAGES - 2 ahead, since one k-block's wgmmas may still be reading its stage (the
-// kernel waits for them one k-block later, before the __syncthreads that frees the stage).
+// the last one returned and issues the copies STAGES - 1 ahead into the stage every thread finished reading
+// before this k-block's __syncthreads.
 template <class C> struct StagePipe {
-  static constexpr int kAhead = C::STAGES - 1 - (C::WGMMA ? 1 : 0);
-  static_assert(kAhead >= 1, "stages");
+  static constexpr int kAhead = C::STAGES - 1;  // k-blocks loaded ahead of the one read
   uint32_t sbase, bar0;
   int rd = 0, wr = kAhead, left;  // stage to read next, stage to load next, k-blocks still to load
   uint32_t ph = 0;                // parity of the phase of stage rd to wait for
@@ -229,17 +226,16 @@ template <class C> struct StagePipe {
   // The shared-space address of the next k-block's stage, its copies landed and visible to every thread.
   __device__ __forceinline__ uint32_t next(TileLoader<C>& ld) {
     dev::cp_async_wait<kAhead - 1>();
-#if !defined(FP4MOE_WGMMA_NO_PROXY_FENCE)
-    if constexpr (C::WGMMA) dev::fence_proxy_async();  // the tokens (cp.async) are read by wgmma (async proxy)
-#endif
+    // The tokens (cp.async) are read by wgmma (the async proxy): the PTX memory model asks for this fence (its
+    // cost measured on the H200: 2 %, session8-dev run 4).
+    if constexpr (C::WGMMA) dev::fence_proxy_async();
     __syncthreads();
     const uint32_t sstage = sbase + rd * C::STAGE_BYTES;
     ld.wait_weights(bar0 + 8 * rd, ph);
     if (left > 0) ld.load_next(sbase + wr * C::STAGE_BYTES, bar0 + 8 * wr);
     dev::cp_async_commit();
     --left;
-    if constexpr (kAhead == C::STAGES - 1) wr = rd;
-    else wr = wr == C::STAGES - 1 ? 0 : wr + 1;
+    wr = rd;
     ph ^= rd == C::STAGES - 1 ? 1u : 0u;
     rd = rd == C::STAGES - 1 ? 0 : rd + 1;
     return sstage;

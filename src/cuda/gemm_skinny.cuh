@@ -67,14 +67,14 @@ __device__ __forceinline__ void weight_fragments(const uint8_t* st, const uint8_
 // reserved per block). On sm_90 (228 KB: NVFP4 config 0: 5, config 1: 4; bf16: 1); left to itself, ptxas gave
 // NVFP4 config 1 137 registers (3 blocks). Other architectures are not capped: their shared memory differs
 // (sm_80 164 KB, sm_89 / sm_120 100 KB) and 228 KB's counts made ptxas spill there. The wgmma tiles hold two
-// chunk sums of BM / 2 registers a thread: two blocks (128 registers) for 64 tokens, one for 128.
+// chunk sums of BM / 2 registers a thread: two blocks whatever their shared memory allows.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
 constexpr int kSkinnySmemPerSm = 228 * 1024;
 #else
 constexpr int kSkinnySmemPerSm = 0;
 #endif
 template <class Cfg> constexpr int kSkinnyMinBlocks =
-    Cfg::WGMMA ? (Cfg::BM <= 64 ? 2 : 1) : std::max(1, kSkinnySmemPerSm / (Cfg::SMEM_BYTES + 1024));
+    Cfg::WGMMA ? 2 : std::max(1, kSkinnySmemPerSm / (Cfg::SMEM_BYTES + 1024));
 
 template <class Cfg, class Epi, class Act>
 __global__ void __launch_bounds__(Cfg::THREADS, kSkinnyMinBlocks<Cfg>)
@@ -139,33 +139,27 @@ __global__ void __launch_bounds__(Cfg::THREADS, kSkinnyMinBlocks<Cfg>)
     if constexpr (Cfg::WGMMA) {
       // One wgmma a k16 step: D[64 rows][BM tokens] += A (the warp's fragments) . B (the stage's token rows, 32
       // bytes a step); every token row is multiplied (rows past the tile are zero-filled, their outputs never
-      // stored). A k-block's wgmmas run while the next k-block is waited for and decoded: two fragment buffers,
-      // and the wait for a k-block's wgmmas comes after the next k-block's are issued (StagePipe loads one
-      // k-block less ahead for it).
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-      uint32_t wa[2][4][4];
-      auto k_block = [&](uint32_t (&w)[4][4]) {
+      // stored). The wgmmas are waited for before the next k-block: letting them run on while the next k-block is
+      // waited for and decoded (two fragment buffers, StagePipe one k-block less ahead) measured the same on the
+      // H200 (session8-dev runs 2, 3: within 1 %) at 128 registers and a spill, so the simpler loop stays.
+      for (int kb = kc; kb < kc_end; ++kb) {
         const uint32_t sstage = pipe.next(ld);
         const uint8_t* st = smem + (sstage - pipe.sbase);
-        weight_fragments<Cfg>(st + w_off, st + sf_off, w);
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+        uint32_t wa[4][4];
+        weight_fragments<Cfg>(st + w_off, st + sf_off, wa);
+        dev::wgmma_fence_acc(part);
         dev::wgmma_fence();
 #pragma unroll
-        for (int s = 0; s < 4; ++s) dev::Wgmma<Cfg::BM>::rs(part, w[s], dev::wgmma_desc_sw128(sstage + 32 * s), true);
+        for (int s = 0; s < 4; ++s) dev::Wgmma<Cfg::BM>::rs(part, wa[s], dev::wgmma_desc_sw128(sstage + 32 * s), true);
         dev::wgmma_commit();
-        dev::wgmma_wait<1>();  // the k-block before: its stage and fragment buffer are free again
-      };
-      dev::wgmma_fence_acc(part);
-      int kb = kc;
-      for (; kb + 1 < kc_end; kb += 2) {
-        k_block(wa[0]);
-        k_block(wa[1]);
-      }
-      if (kb < kc_end) k_block(wa[0]);
-      dev::wgmma_wait<0>();
-      dev::wgmma_fence_acc(part);
+        dev::wgmma_wait<0>();  // before the next k-block's copies may overwrite this stage
+        dev::wgmma_fence_acc(part);
 #else
-      __trap();  // the plan picks this tile on sm_90a devices only (ProblemShape::wgmma)
+        (void)st;
+        __trap();  // the plan picks this tile on sm_90a devices only (ProblemShape::wgmma)
 #endif
+      }
     } else {
       for (int kb = kc; kb < kc_end; ++kb) {
         const uint32_t sstage = pipe.next(ld);
