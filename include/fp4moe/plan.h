@@ -54,7 +54,9 @@ struct GemmConfig {
   int stages = 0;                   // shared-memory pipeline depth (src/cuda/gemm_mainloop.cuh StagePipe)
   bool weights_as_a = false;        // src/cuda/gemm_skinny.cuh: weights as the mma A operand, bn / warps_n rows a warp
   bool wgmma = false;               // the sm_90a warpgroup MMA (src/cuda/wgmma.cuh): ProblemShape::wgmma devices only
-  int threads() const { return 32 * warps_m * warps_n; }
+  bool overlap = false;             // wgmma: a k-block's wgmmas run on under the next k-block's wait and decode, the
+                                    // chunk sums in shared memory (src/cuda/gemm_skinny.cuh)
+  constexpr int threads() const { return 32 * warps_m * warps_n; }
 };
 
 struct MoePlan {
@@ -159,10 +161,10 @@ inline constexpr GemmConfig kGemmConfigs[kNumGemmConfigs] = {
     {8, 128, 64, 1, 4, 8, true},   // decode: <= 8 rows per expert tile, 32 weight rows a warp, many bytes in flight
     {32, 128, 64, 1, 4, 6, true},  // up to 512 rows an expert (plan.cpp), in tiles of <= 32 rows
     {64, 128, 64, 2, 4, 3},        // more rows an expert (a 128-row tile ran 1 block an SM at 244 registers: slower)
-    // sm_90a: two warpgroups, each 64 weight rows (register A) x the 64 tokens (shared B) with wgmma. The same
-    // rows, columns and threads as config 2, so the grid and the workspace do not depend on the device.
+    // sm_90a: two warpgroups, each 64 weight rows (register A) x the 64 tokens (shared B) with wgmma. (128 tokens
+    // measured slower on the H200, both with two warpgroups, one block an SM, and with one, two blocks: run 3, 5.)
     {64, 128, 64, 1, 8, 4, true, true},
-    {128, 64, 64, 1, 4, 4, true, true},  // one warpgroup, 128 tokens
+    {64, 128, 64, 1, 8, 4, true, true, true},  // the same, overlapped
 };
 // The stage bytes of a tile (tokens, weights, their scales) and its dynamic shared memory: a wgmma tile's stages
 // start 1024-byte aligned (the 128-byte swizzle's atom), with 1 KB to align the base (src/cuda/gemm_mainloop.cuh).
@@ -171,7 +173,8 @@ constexpr int64_t gemm_stage_bytes(const GemmConfig& g, bool fp4) {
   return g.wgmma ? (raw + 1023) / 1024 * 1024 : raw;
 }
 constexpr int64_t gemm_smem_bytes(const GemmConfig& g, bool fp4) {
-  return g.stages * gemm_stage_bytes(g, fp4) + (g.wgmma ? 1024 : 0);
+  const int64_t chunk_sums = g.overlap ? int64_t(g.threads()) * (g.bm / 8) * 16 : 0;  // a float4 per 8 tokens a thread
+  return g.stages * gemm_stage_bytes(g, fp4) + (g.wgmma ? 1024 : 0) + chunk_sums;
 }
 
 // Throws Error(InvalidArgument/Unsupported) naming the argument for shapes the kernels cannot take.

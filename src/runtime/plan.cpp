@@ -114,8 +114,15 @@ MoePlan make_plan(const ProblemShape& shape) {
   // (session7-dev run 5: qwen3 T=1024 586 -> 526 us, kimi T=4096 1979 -> 1803, T=16384 7822 -> 7288,
   // deepseek_v3_ep8 T=16384 10438 -> 8649; qwen3 T=4096 and mixtral unchanged); above, the 64-row tile.
   const int64_t avg_rows = ceil_div(p.rows, s.E_loc);
-  // sm_90a: the wgmma tile (config 3) where the 64-row tile would run.
-  auto choose = [&](bool wgmma) { return avg_rows <= 6 ? 0 : (avg_rows <= 512 ? 1 : (wgmma ? 3 : 2)); };
+  // sm_90a: the wgmma tile (config 3) from 32 expected rows a local expert (rows / E_total: under EP a rank's
+  // experts see rows * E_loc / E_total of them) on. H200, tile 3 against tile 1 (session8-dev runs 3, 5): faster at
+  // 32 (deepseek_v3_ep8 T=1024 580 vs 680 us; qwen3 T=512 308 vs 317), 43 (kimi T=2048 944 vs 1018) and above;
+  // slower at 21 (kimi T=1024 752 vs 593) and 16 (deepseek T=512 545 vs 418); 0.70-0.72 of the 64-row tile's time
+  // on mixtral_8x7b T >= 1024.
+  auto choose = [&](bool wgmma) {
+    if (wgmma && p.rows >= 32 * s.E_total) return 3;
+    return avg_rows <= 6 ? 0 : (avg_rows <= 512 ? 1 : 2);
+  };
   p.gemm_config = s.gemm_config >= 0 ? s.gemm_config : choose(s.wgmma);
   p.gemm = kGemmConfigs[p.gemm_config];
   const GemmConfig& g = p.gemm;

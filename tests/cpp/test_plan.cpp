@@ -29,13 +29,14 @@ void check_plan(const ProblemShape& s, std::mt19937_64& rng) {
   const MoePlan p = make_plan(s);
   ASSERT_EQ(workspace_size(s), p.workspace_bytes);
   if (!s.wgmma && s.gemm_config < 0) {
-    // On a wgmma device: the wgmma tile where the 64-row tile would run, the same workspace (workspace_size is
-    // asked without a device), and a plan that keeps every invariant below.
+    // On a wgmma device: the wgmma tile from 32 expected rows a local expert on, the same workspace
+    // (workspace_size is asked without a device), and a plan that keeps every invariant below.
     ProblemShape w = s;
     w.wgmma = true;
     const MoePlan pw = make_plan(w);
     EXPECT_EQ(pw.workspace_bytes, p.workspace_bytes);
-    EXPECT_EQ(pw.gemm_config, p.gemm_config == 2 ? 3 : p.gemm_config);
+    const int64_t E_total = s.E_total == 0 ? s.E_loc : s.E_total;
+    EXPECT_EQ(pw.gemm_config, p.rows >= 32 * E_total ? 3 : p.gemm_config);
     check_plan(w, rng);
     // Every tile forced (MoeArgs::gemm_tile) is a plan of its own that keeps them too.
     for (int t = 0; t < kNumGemmConfigs; ++t) {

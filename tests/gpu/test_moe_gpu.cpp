@@ -224,9 +224,10 @@ TEST(GpuNvfp4, SpecialScaleCodes) {
 TEST(GpuBatchInvariance, SubBatchesEqualFullBatch) {
   FP4MOE_SKIP_WITHOUT_GPU();
   // Full batches of 300 tokens over 32 experts (75 rows an expert: the 32-row weights-as-A tile) and of 1100 over 16
-  // (550 rows an expert, one chunk: the 64-row tile, wgmma on an H200; plan.cpp's thresholds) against sub-batches of
-  // 1 and 4 tokens (the 8-row tile, split-K), and the full batch again with every tile forced (MoeArgs::gemm_tile):
-  // mma.sync and wgmma, tokens as A or B. Modes 0-3: NVFP4 A16 / A4 with a shared expert; mode 4: bf16 weights.
+  // (550 rows an expert, one chunk: the 64-row tile; both the wgmma tile on an H200; plan.cpp's thresholds) against
+  // sub-batches of 1 and 4 tokens (the 8-row tile, split-K), and the full batch again with every tile forced
+  // (MoeArgs::gemm_tile): mma.sync and wgmma, tokens as A or B. Modes 0-3: NVFP4 A16 / A4 with a shared expert;
+  // mode 4: bf16 weights.
   const bool wgmma = cuda_backend::wgmma_supported_on(0);
   std::printf("STAT batch invariance: wgmma tile %s\n", wgmma ? "on this device (compared)" : "not on this device");
   for (int mode = 0; mode < 5; ++mode) {
@@ -244,7 +245,7 @@ TEST(GpuBatchInvariance, SubBatchesEqualFullBatch) {
     const auto y = run_gpu(layer->gpu, *call);
     ProblemShape ps = problem_shape(c);
     ps.wgmma = wgmma;
-    EXPECT_EQ(make_plan(ps).gemm_config, mode < 2 ? 1 : (wgmma ? 3 : 2)) << "the full batch's tile (mode " << mode << ")";
+    EXPECT_EQ(make_plan(ps).gemm_config, wgmma ? 3 : (mode < 2 ? 1 : 2)) << "the full batch's tile (mode " << mode << ")";
     for (int tile = 0; tile < kNumGemmConfigs; ++tile) {
       if (kGemmConfigs[tile].wgmma && !wgmma) continue;
       Case ct = c;
