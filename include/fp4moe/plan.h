@@ -53,9 +53,8 @@ struct GemmConfig {
   int warps_m = 0, warps_n = 0;     // warp grid
   int stages = 0;                   // shared-memory pipeline depth (src/cuda/gemm_mainloop.cuh StagePipe)
   bool weights_as_a = false;        // src/cuda/gemm_skinny.cuh: weights as the mma A operand, bn / warps_n rows a warp
-  bool wgmma = false;               // the sm_90a warpgroup MMA (src/cuda/wgmma.cuh): ProblemShape::wgmma devices only
-  bool overlap = false;             // wgmma: a k-block's wgmmas run on under the next k-block's wait and decode, the
-                                    // chunk sums in shared memory (src/cuda/gemm_skinny.cuh)
+  bool wgmma = false;               // the sm_90a warpgroup MMA (src/cuda/wgmma.cuh): ProblemShape::wgmma devices only;
+                                    // its chunk sums live in shared memory (src/cuda/gemm_skinny.cuh)
   constexpr int threads() const { return 32 * warps_m * warps_n; }
 };
 
@@ -156,7 +155,7 @@ constexpr int64_t kSplitTargetBlocks = 528;
 // warp's serial walk: at 1024 entries 32 steps.)
 constexpr int64_t kOneBlockPermEntries = 1024;
 
-constexpr int kNumGemmConfigs = 5;
+constexpr int kNumGemmConfigs = 4;
 inline constexpr GemmConfig kGemmConfigs[kNumGemmConfigs] = {
     {8, 128, 64, 1, 4, 8, true},   // decode: <= 8 rows per expert tile, 32 weight rows a warp, many bytes in flight
     {32, 128, 64, 1, 4, 6, true},  // up to 512 rows an expert (plan.cpp), in tiles of <= 32 rows
@@ -164,7 +163,6 @@ inline constexpr GemmConfig kGemmConfigs[kNumGemmConfigs] = {
     // sm_90a: two warpgroups, each 64 weight rows (register A) x the 64 tokens (shared B) with wgmma. (128 tokens
     // measured slower on the H200, both with two warpgroups, one block an SM, and with one, two blocks: run 3, 5.)
     {64, 128, 64, 1, 8, 4, true, true},
-    {64, 128, 64, 1, 8, 4, true, true, true},  // the same, overlapped
 };
 // The stage bytes of a tile (tokens, weights, their scales) and its dynamic shared memory: a wgmma tile's stages
 // start 1024-byte aligned (the 128-byte swizzle's atom), with 1 KB to align the base (src/cuda/gemm_mainloop.cuh).
@@ -173,7 +171,7 @@ constexpr int64_t gemm_stage_bytes(const GemmConfig& g, bool fp4) {
   return g.wgmma ? (raw + 1023) / 1024 * 1024 : raw;
 }
 constexpr int64_t gemm_smem_bytes(const GemmConfig& g, bool fp4) {
-  const int64_t chunk_sums = g.overlap ? int64_t(g.threads()) * (g.bm / 8) * 16 : 0;  // a float4 per 8 tokens a thread
+  const int64_t chunk_sums = g.wgmma ? int64_t(g.threads()) * (g.bm / 8) * 16 : 0;  // a float4 per 8 tokens a thread
   return g.stages * gemm_stage_bytes(g, fp4) + (g.wgmma ? 1024 : 0) + chunk_sums;
 }
 

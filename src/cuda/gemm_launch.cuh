@@ -12,16 +12,14 @@ template <bool FP4> struct ConfigOf<0, FP4> { using type = SkinnyConfig<8, 4, 8,
 template <bool FP4> struct ConfigOf<1, FP4> { using type = SkinnyConfig<32, 4, 6, FP4>; };
 template <bool FP4> struct ConfigOf<2, FP4> { using type = TileConfig<64, 128, 2, 4, 3, FP4>; };
 template <bool FP4> struct ConfigOf<3, FP4> { using type = SkinnyConfig<64, 8, 4, FP4, 1, true>; };
-template <bool FP4> struct ConfigOf<4, FP4> { using type = SkinnyConfig<64, 8, 4, FP4, 1, true, true>; };
 // The table above must match plan.h (the plan sizes grids and shared memory from kGemmConfigs).
 template <int I> constexpr bool matches_plan() {
   using C = typename ConfigOf<I, true>::type;
   constexpr GemmConfig g = kGemmConfigs[I];
   return C::BM == g.bm && C::BN == g.bn && C::BK == g.bk && C::WARPS_M == g.warps_m && C::WARPS_N == g.warps_n &&
-         C::STAGES == g.stages && C::WEIGHTS_AS_A == g.weights_as_a && C::WGMMA == g.wgmma && C::OVERLAP == g.overlap;
+         C::STAGES == g.stages && C::WEIGHTS_AS_A == g.weights_as_a && C::WGMMA == g.wgmma;
 }
-static_assert(kNumGemmConfigs == 5 && matches_plan<0>() && matches_plan<1>() && matches_plan<2>() && matches_plan<3>() &&
-                  matches_plan<4>(),
+static_assert(kNumGemmConfigs == 4 && matches_plan<0>() && matches_plan<1>() && matches_plan<2>() && matches_plan<3>(),
               "ConfigOf differs from plan.h kGemmConfigs");
 
 template <class Cfg, class Epi, class Act>
@@ -47,8 +45,7 @@ template <bool FP4> void launch_gemm1_fmt(int config, ActivationType at, const G
       case 0: launch_grouped<typename ConfigOf<0, FP4>::type, Epilogue1, Act>(g, e, n_tiles, m_tiles, stream); break;
       case 1: launch_grouped<typename ConfigOf<1, FP4>::type, Epilogue1, Act>(g, e, n_tiles, m_tiles, stream); break;
       case 2: launch_grouped<typename ConfigOf<2, FP4>::type, Epilogue1, Act>(g, e, n_tiles, m_tiles, stream); break;
-      case 3: launch_grouped<typename ConfigOf<3, FP4>::type, Epilogue1, Act>(g, e, n_tiles, m_tiles, stream); break;
-      default: launch_grouped<typename ConfigOf<4, FP4>::type, Epilogue1, Act>(g, e, n_tiles, m_tiles, stream); break;
+      default: launch_grouped<typename ConfigOf<3, FP4>::type, Epilogue1, Act>(g, e, n_tiles, m_tiles, stream); break;
     }
   });
 }
@@ -59,8 +56,7 @@ template <bool FP4> void launch_gemm2_fmt(int config, const GemmProblem& g, cons
     case 0: launch_grouped<typename ConfigOf<0, FP4>::type, Epilogue2, act::Identity>(g, e, n_tiles, m_tiles, stream); break;
     case 1: launch_grouped<typename ConfigOf<1, FP4>::type, Epilogue2, act::Identity>(g, e, n_tiles, m_tiles, stream); break;
     case 2: launch_grouped<typename ConfigOf<2, FP4>::type, Epilogue2, act::Identity>(g, e, n_tiles, m_tiles, stream); break;
-    case 3: launch_grouped<typename ConfigOf<3, FP4>::type, Epilogue2, act::Identity>(g, e, n_tiles, m_tiles, stream); break;
-    default: launch_grouped<typename ConfigOf<4, FP4>::type, Epilogue2, act::Identity>(g, e, n_tiles, m_tiles, stream); break;
+    default: launch_grouped<typename ConfigOf<3, FP4>::type, Epilogue2, act::Identity>(g, e, n_tiles, m_tiles, stream); break;
   }
 }
 

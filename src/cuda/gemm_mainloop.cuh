@@ -17,13 +17,13 @@
 namespace fp4moe::cuda_backend {
 
 // WEIGHTS_AS_A: the block tile of gemm_skinny.cuh (same stages, tokens as the mma B operand); WGMMA: its sm_90a
-// form (wgmma.cuh), stages 1024-byte aligned; OVERLAP: plan.h's GemmConfig::overlap.
+// form (wgmma.cuh), stages 1024-byte aligned.
 template <int BM_, int BN_, int WARPS_M_, int WARPS_N_, int STAGES_, bool FP4_, bool WEIGHTS_AS_A_ = false,
-          bool WGMMA_ = false, bool OVERLAP_ = false>
+          bool WGMMA_ = false>
 struct TileConfig {
   static constexpr int BM = BM_, BN = BN_, BK = 64, WARPS_M = WARPS_M_, WARPS_N = WARPS_N_, STAGES = STAGES_;
-  static constexpr bool FP4 = FP4_, WEIGHTS_AS_A = WEIGHTS_AS_A_, WGMMA = WGMMA_, OVERLAP = OVERLAP_;
-  static constexpr GemmConfig kPlan{BM, BN, BK, WARPS_M, WARPS_N, STAGES, WEIGHTS_AS_A, WGMMA, OVERLAP};  // plan.h's
+  static constexpr bool FP4 = FP4_, WEIGHTS_AS_A = WEIGHTS_AS_A_, WGMMA = WGMMA_;
+  static constexpr GemmConfig kPlan{BM, BN, BK, WARPS_M, WARPS_N, STAGES, WEIGHTS_AS_A, WGMMA};  // plan.h's view
   static constexpr int THREADS = 32 * WARPS_M * WARPS_N;
   static constexpr int WTM = BM / WARPS_M, WTN = BN / WARPS_N;  // warp tile
   static constexpr int MT = WTM / 16, NT = WTN / 8;             // mma tiles per warp
@@ -39,7 +39,6 @@ struct TileConfig {
   static_assert((BM * 8) % THREADS == 0 || BM * 8 < THREADS, "A chunks per thread");
   static_assert(B_BYTES % 16 == 0 && SF_BYTES % 16 == 0, "16-byte chunks");
   static_assert(!WGMMA || (WEIGHTS_AS_A && WARPS_N % 4 == 0 && A_BYTES % 1024 == 0), "wgmma: warpgroups, aligned B");
-  static_assert(!OVERLAP || WGMMA, "overlap: wgmma tiles");
 };
 
 // The stages' base in the dynamic shared memory: a wgmma tile's is rounded up to 1024 bytes (SMEM_BYTES holds
@@ -215,10 +214,10 @@ template <class C> struct TileLoader {
 // shared memory, its weights complete on barrier s (phase n: its n-th load). next() waits for the k-block after
 // the last one returned and issues the copies kAhead k-blocks ahead, into the stage of k-block j + kAhead - STAGES:
 // STAGES - 1 ahead (the stage every thread finished reading before this k-block's __syncthreads), or STAGES - 2
-// ahead for OVERLAP tiles, whose wgmmas may still read the previous k-block's stage (they are waited for one
+// ahead for wgmma tiles, whose wgmmas may still read the previous k-block's stage (they are waited for one
 // k-block later, before the __syncthreads that frees it).
 template <class C> struct StagePipe {
-  static constexpr int kAhead = C::STAGES - 1 - (C::OVERLAP ? 1 : 0);  // k-blocks loaded ahead of the one read
+  static constexpr int kAhead = C::STAGES - 1 - (C::WGMMA ? 1 : 0);  // k-blocks loaded ahead of the one read
   static_assert(kAhead >= 1, "stages");
   uint32_t sbase, bar0;
   int rd = 0, wr = kAhead, left;  // stage to read next, stage to load next, k-blocks still to load

@@ -29,8 +29,8 @@ namespace fp4moe::cuda_backend {
 // WGMMA (sm_90a, RG = 1): each warpgroup multiplies its 64 weight rows (register A, the same fragments) by all BM
 // tokens (shared B) with one wgmma m64nBMk16 a k16 step; the accumulators are the same fragments as BM / 8 token
 // groups of mma.sync, so the split-K and epilogue code below serve both.
-template <int BM, int WARPS, int STAGES, bool FP4, int RG = 2, bool WGMMA = false, bool OVERLAP = false>
-using SkinnyConfig = TileConfig<BM, 16 * RG * WARPS, 1, WARPS, STAGES, FP4, true, WGMMA, OVERLAP>;
+template <int BM, int WARPS, int STAGES, bool FP4, int RG = 2, bool WGMMA = false>
+using SkinnyConfig = TileConfig<BM, 16 * RG * WARPS, 1, WARPS, STAGES, FP4, true, WGMMA>;
 
 // One warp's A fragments (16 weight rows x one k16 step) for the 4 steps of a k-block in shared memory:
 // thread (g, t) holds rows g and g + 8 at k = 2t, 2t+1 and 2t+8, 2t+9 — in the prepared layout, the bytes
@@ -125,7 +125,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, kSkinnyMinBlocks<Cfg>)
   const uint32_t sf_off = dev::opaque(Cfg::A_BYTES + Cfg::B_BYTES + (warp * RG * 16 + gq) * 4);
 
   float acc[ACCS][4], part[ACCS][4];
-  // OVERLAP: this thread's chunk sums after the stages (gemm_smem_bytes), float4 a of them at [a][thread].
+  // wgmma: this thread's chunk sums after the stages (gemm_smem_bytes), float4 a of them at [a][thread].
   float4* chunk_sums = reinterpret_cast<float4*>(smem + Cfg::STAGES * Cfg::STAGE_BYTES) + threadIdx.x;
 #pragma unroll
   for (int a = 0; a < ACCS; ++a)
@@ -141,11 +141,11 @@ __global__ void __launch_bounds__(Cfg::THREADS, kSkinnyMinBlocks<Cfg>)
     if constexpr (Cfg::WGMMA) {
       // One wgmma a k16 step: D[64 rows][BM tokens] += A (the warp's fragments) . B (the stage's token rows, 32
       // bytes a step); every token row is multiplied (rows past the tile are zero-filled, their outputs never
-      // stored). Without OVERLAP a k-block's wgmmas are waited for before the next k-block. With it they run on
-      // while the next k-block is waited for and decoded: two fragment buffers, the wait one k-block later
-      // (StagePipe loads one k-block less ahead), k-blocks in pairs with the odd one after (a pair's second
-      // k-block under a condition made ptxas serialize every wgmma: C7513); the chunk sums live in shared memory
-      // (two register sets and two fragment buffers spilled at 128 registers).
+      // stored). A k-block's wgmmas run on while the next k-block is waited for and decoded: two fragment buffers,
+      // the wait one k-block later (StagePipe loads one k-block less ahead); k-blocks in pairs with the odd one
+      // after (a pair's second k-block under a condition made ptxas serialize every wgmma: C7513). The chunk sums
+      // live in shared memory (two register sets spilled at 128 registers). H200: 1-2.6 % faster than waiting
+      // for each k-block's wgmmas before the next (session8-dev run 6).
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
       auto k_block = [&](uint32_t (&w)[4][4]) {
         const uint32_t sstage = pipe.next(ld);
@@ -156,26 +156,17 @@ __global__ void __launch_bounds__(Cfg::THREADS, kSkinnyMinBlocks<Cfg>)
 #pragma unroll
         for (int s = 0; s < 4; ++s) dev::Wgmma<Cfg::BM>::rs(part, w[s], dev::wgmma_desc_sw128(sstage + 32 * s), true);
         dev::wgmma_commit();
-        if constexpr (Cfg::OVERLAP) {
-          dev::wgmma_wait<1>();  // the k-block before: its stage and fragment buffer are free again
-        } else {
-          dev::wgmma_wait<0>();  // before the next k-block's copies may overwrite this stage
-          dev::wgmma_fence_acc(part);
-        }
+        dev::wgmma_wait<1>();  // the k-block before: its stage and fragment buffer are free again
       };
-      uint32_t wa[Cfg::OVERLAP ? 2 : 1][4][4];
+      uint32_t wa[2][4][4];
       int kb = kc;
-      if constexpr (Cfg::OVERLAP) {
-        for (; kb + 1 < kc_end; kb += 2) {
-          k_block(wa[0]);
-          k_block(wa[Cfg::OVERLAP ? 1 : 0]);
-        }
+      for (; kb + 1 < kc_end; kb += 2) {
+        k_block(wa[0]);
+        k_block(wa[1]);
       }
-      for (; kb < kc_end; ++kb) k_block(wa[0]);
-      if constexpr (Cfg::OVERLAP) {
-        dev::wgmma_wait<0>();
-        dev::wgmma_fence_acc(part);
-      }
+      for (; kb < kc_end; ++kb) k_block(wa[0]);  // the odd one (a loop: an if here gave other, untested code)
+      dev::wgmma_wait<0>();
+      dev::wgmma_fence_acc(part);
 #else
       __trap();  // the plan picks this tile on sm_90a devices only (ProblemShape::wgmma)
 #endif
@@ -209,14 +200,14 @@ __global__ void __launch_bounds__(Cfg::THREADS, kSkinnyMinBlocks<Cfg>)
       float4* dst = partial_at(kc / kChunkBlocks);
 #pragma unroll
       for (int a = 0; a < ACCS; ++a) dst[a] = make_float4(part[a][0], part[a][1], part[a][2], part[a][3]);
-    } else if constexpr (Cfg::OVERLAP) {
+    } else if constexpr (Cfg::WGMMA) {
       add_chunk_shared<Cfg::THREADS>(chunk_sums, part, kc == kr.begin);
     } else {
       add_chunk(acc, part, kc == 0);
     }
   }
   dev::cp_async_wait<0>();
-  if constexpr (Cfg::OVERLAP) {
+  if constexpr (Cfg::WGMMA) {
 #pragma unroll
     for (int a = 0; a < ACCS; ++a) {
       const float4 v = chunk_sums[a * Cfg::THREADS];
