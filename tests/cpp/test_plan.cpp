@@ -36,7 +36,8 @@ void check_plan(const ProblemShape& s, std::mt19937_64& rng) {
     const MoePlan pw = make_plan(w);
     EXPECT_EQ(pw.workspace_bytes, p.workspace_bytes);
     const int64_t E_total = s.E_total == 0 ? s.E_loc : s.E_total;
-    EXPECT_EQ(pw.gemm_config, p.rows >= 32 * E_total ? 3 : p.gemm_config);
+    const bool lora_thin = s.has_lora && (s.I <= 384 || p.rows < 128 * E_total);
+    EXPECT_EQ(pw.gemm_config, p.rows >= 32 * E_total && !lora_thin ? 3 : p.gemm_config);
     check_plan(w, rng);
     // Every tile forced (MoeArgs::gemm_tile) is a plan of its own that keeps them too.
     for (int t = 0; t < kNumGemmConfigs; ++t) {
@@ -341,6 +342,15 @@ TEST(Plan, LoraNeverChangesChunkingOrTiles) {
       EXPECT_EQ(p.out.offset, p0.out.offset);
       EXPECT_EQ(p.act.offset, p0.act.offset);
       EXPECT_GE(p.workspace_bytes, p0.workspace_bytes);
+      // On a wgmma device LoRA may keep the 32-row tile where the base takes the wgmma tile (plan.cpp); the
+      // chunking and the workspace layout of the base buffers stay.
+      ProblemShape bw = base, sw = s;
+      bw.wgmma = sw.wgmma = true;
+      const MoePlan pb = make_plan(bw), ps = make_plan(sw);
+      EXPECT_EQ(ps.chunk_tokens, pb.chunk_tokens);
+      EXPECT_TRUE(ps.gemm_config == pb.gemm_config || (pb.gemm_config == 3 && ps.gemm_config == p.gemm_config));
+      EXPECT_EQ(ps.out.offset, pb.out.offset);
+      EXPECT_EQ(ps.act.offset, pb.act.offset);
       check_plan(s, rng);
       if (HasFatalFailure()) return;
     }
