@@ -119,12 +119,13 @@ MoePlan make_plan(const ProblemShape& shape) {
   // 32 (deepseek_v3_ep8 T=1024 580 vs 680 us; qwen3 T=512 308 vs 317), 43 (kimi T=2048 944 vs 1018) and above;
   // slower at 21 (kimi T=1024 752 vs 593) and 16 (deepseek T=512 545 vs 418); 0.70-0.72 of the 64-row tile's time
   // on mixtral_8x7b T >= 1024.
-  // With LoRA the wgmma tile's epilogue (one 16-row group a warp, eight token groups in turn) makes it lose to the
-  // 32-row tile on thin experts and below 128 rows (run 7, eight rank-16 adapters, tile 1 / tile 3: kimi_k3_tp8
-  // (I = 384) 0.94 at T = 4096 and 16384, qwen3_30b_a3b_tp4 (I = 192) 0.85-0.94, qwen3 T=1024 (64 rows) 0.94,
-  // gpt_oss T=1024 (32 rows) 0.96; from 128 rows on wider experts tile 3 wins: qwen3 T=4096 1.03, gpt_oss 1.10-1.14,
-  // deepseek_v3_ep8 1.09). The bits are the same either way.
-  const bool lora_thin = s.has_lora && (s.I <= 384 || p.rows < 128 * s.E_total);
+  // With LoRA the wgmma tile's epilogue (one 16-row group a warp, eight token groups in turn; its cost a output
+  // is fixed, so it weighs most where GEMM2's K = I is short) loses to the 32-row tile on thin experts (session8
+  // run 7, eight rank-16 adapters, tile 1 / tile 3 time: kimi_k3_tp8 (I = 384) 0.94 at T = 4096 and 16384,
+  // qwen3_30b_a3b_tp4 (I = 192) 0.85-0.94, qwen3_30b_a3b (I = 768) 0.94 at T=1024, 1.03 at 4096 and 16384) and
+  // wins on wide ones (deepseek_v3_ep8, I = 2048: 1.04-1.10; gpt_oss_120b, I = 2880: 0.96 at T=1024, 1.10-1.14
+  // above; mixtral_8x7b T=256: 1219 us with tile 1 in final-7, 1072 with tile 3 in final-8). The bits are the same.
+  const bool lora_thin = s.has_lora && s.I <= 768;
   auto choose = [&](bool wgmma) {
     if (wgmma && p.rows >= 32 * s.E_total && !lora_thin) return 3;
     return avg_rows <= 6 ? 0 : (avg_rows <= 512 ? 1 : 2);
