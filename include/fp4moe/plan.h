@@ -178,5 +178,8 @@ constexpr int64_t gemm_smem_bytes(const GemmConfig& g, bool fp4) {
 // Throws Error(InvalidArgument/Unsupported) naming the argument for shapes the kernels cannot take.
 MoePlan make_plan(const ProblemShape& shape);
 size_t workspace_size(const ProblemShape& shape);
+// Throws Error(InvalidArgument, "gemm_tile") unless -1 <= gemm_tile < kNumGemmConfigs (MoeArgs::gemm_tile, on
+// every backend; make_plan checks ProblemShape::gemm_config with it).
+void check_gemm_tile(int gemm_tile);
 
 }  // namespace fp4moe

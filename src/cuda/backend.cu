@@ -5,6 +5,7 @@
 #include "cuda/backend.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <mutex>
 #include <string>
@@ -28,6 +29,31 @@ void check_cuda(cudaError_t e, const char* what) {
 }
 
 void check_launch(const char* kernel) { check_cuda(cudaGetLastError(), kernel); }
+
+// ---- device queries (asked on every call / launch: cached per device) -----------------------------------
+int compute_capability(int dev) {
+  static std::atomic<int> known[64] = {};  // 0 unknown, else major * 10 + minor
+  if (dev >= 0 && dev < 64) {
+    const int cc = known[dev].load(std::memory_order_relaxed);
+    if (cc != 0) return cc;
+  }
+  int major = 0, minor = 0;
+  check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), "cudaDeviceGetAttribute");
+  check_cuda(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev), "cudaDeviceGetAttribute");
+  const int cc = major * 10 + minor;
+  if (dev >= 0 && dev < 64) known[dev].store(cc, std::memory_order_relaxed);
+  return cc;
+}
+
+// The build carries SASS only, never JIT-ed PTX: FP4MOE_WITH_SM90A is set when FP4MOE_CUDA_ARCHS lists 90a.
+bool wgmma_supported_on(int dev) {
+#if defined(FP4MOE_WITH_SM90A)
+  return compute_capability(dev) == 90;
+#else
+  (void)dev;
+  return false;
+#endif
+}
 
 namespace {
 

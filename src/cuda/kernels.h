@@ -253,7 +253,10 @@ void launch_routing(const RoutingParams& p, int warps_per_block, size_t smem, cu
 void launch_permute(const PermuteParams& p, cudaStream_t stream);
 // After launch_permute, with LoRA: each expert's rows sorted by (adapter slot, entry) (permute.cu).
 void launch_order_by_adapter(const PermuteParams& p, cudaStream_t stream);
-// Whether device dev runs the sm_90a wgmma tile (plan.h kGemmConfigs[3]; ProblemShape::wgmma).
+// Device dev's compute capability, major * 10 + minor (cached per device; backend.cu).
+int compute_capability(int dev);
+// Whether device dev runs the sm_90a wgmma tile (plan.h kGemmConfigs[3]; ProblemShape::wgmma): compute capability
+// 9.0 and a build with sm_90a code.
 bool wgmma_supported_on(int dev);
 void launch_gemm1(int config, WeightFormat fmt, ActivationType act, const GemmProblem& g, const Epilogue1Params& e,
                   int n_tiles, int m_tiles, cudaStream_t stream);

@@ -5,7 +5,6 @@
 #pragma once
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <utility>
 
 #include "cuda/kernels.h"
@@ -25,16 +24,11 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 }  // namespace dev
 
 // Whether the current device has programmatic dependent launch (compute capability 9.0 and later; the wheel also
-// carries sm_80/89 code, where the attribute is left out). Cached per device: one cudaGetDevice per launch.
+// carries sm_80/89 code, where the attribute is left out). One cudaGetDevice per launch.
 inline bool pdl_supported() {
   int dev = 0;
   check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
-  static std::atomic<int> known[64] = {};  // 0 unknown, 1 yes, 2 no
-  if (dev >= 0 && dev < 64 && known[dev].load(std::memory_order_relaxed) != 0) return known[dev].load() == 1;
-  int major = 0;
-  check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), "cudaDeviceGetAttribute");
-  if (dev >= 0 && dev < 64) known[dev].store(major >= 9 ? 1 : 2, std::memory_order_relaxed);
-  return major >= 9;
+  return compute_capability(dev) >= 90;
 }
 
 // kernel<<<grid, block, smem, stream>>>(args...), with programmatic stream serialization allowed where supported.

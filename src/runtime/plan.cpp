@@ -62,9 +62,7 @@ void check_shape(const ProblemShape& s) {
     invalid("max_lora_rank", "expected 0 (unknown) or 1.." + std::to_string(kMaxLoraRank) + ", got " +
                              std::to_string(s.max_lora_rank));
   if (s.workspace_budget < 0) invalid("workspace_budget", "expected >= 0");
-  if (s.gemm_config < -1 || s.gemm_config >= kNumGemmConfigs)
-    invalid("gemm_tile", "expected -1 (chosen) or 0.." + std::to_string(kNumGemmConfigs - 1) + ", got " +
-                             std::to_string(s.gemm_config));
+  check_gemm_tile(s.gemm_config);
   if (s.gemm_config >= 0 && kGemmConfigs[s.gemm_config].wgmma && !s.wgmma)
     unsupported("gemm_tile", "tile " + std::to_string(s.gemm_config) + " needs wgmma (compute capability 9.0)");
 }
@@ -119,7 +117,7 @@ MoePlan make_plan(const ProblemShape& shape) {
   // 32 (deepseek_v3_ep8 T=1024 580 vs 680 us; qwen3 T=512 308 vs 317), 43 (kimi T=2048 944 vs 1018) and above;
   // slower at 21 (kimi T=1024 752 vs 593) and 16 (deepseek T=512 545 vs 418); 0.70-0.72 of the 64-row tile's time
   // on mixtral_8x7b T >= 1024.
-  // With LoRA the wgmma tile's epilogue (one 16-row group a warp, eight token groups in turn; its cost a output
+  // With LoRA the wgmma tile's epilogue (one 16-row group a warp, eight token groups in turn; its cost an output
   // is fixed, so it weighs most where GEMM2's K = I is short) loses to the 32-row tile on thin experts (session8
   // run 7, eight rank-16 adapters, tile 1 / tile 3 time: kimi_k3_tp8 (I = 384) 0.94 at T = 4096 and 16384,
   // qwen3_30b_a3b_tp4 (I = 192) 0.85-0.94, qwen3_30b_a3b (I = 768) 0.94 at T=1024, 1.03 at 4096 and 16384) and
@@ -153,7 +151,7 @@ MoePlan make_plan(const ProblemShape& shape) {
   // split 2 -> 3 took 85.6 -> 79.9 us; grids at or above the target stay whole: splitting qwen3 T=8's 864 blocks
   // in two took 68.7 -> 78.4 us). Whole chunks per block; no block without a chunk.
   int64_t partial_floats = 0, counters = 0;
-  auto split_of = [&](const GemmConfig& c, int64_t m_tiles, int64_t n_tiles, int64_t k_pad, bool size_only) {
+  auto split_of = [&](const GemmConfig& c, int64_t m_tiles, int64_t n_tiles, int64_t k_pad) {
     const int64_t blocks = m_tiles * n_tiles, chunks = ceil_div(k_pad, kKChunk);
     if (!c.weights_as_a || c.wgmma || p.perm_blocks != 1 || blocks == 0 || blocks >= kSplitTargetBlocks || chunks < 2)
       return 1;
@@ -162,23 +160,23 @@ MoePlan make_plan(const ProblemShape& shape) {
     const int64_t rows_per_warp = c.bn / c.warps_n;  // accumulators: (bm / 8) token groups x (rows / 16) x 4
     partial_floats = std::max(partial_floats, blocks * chunks * c.threads() * (c.bm / 8) * (rows_per_warp / 16) * 4);
     counters = std::max(counters, blocks);
-    return size_only ? 1 : static_cast<int>(split);
+    return static_cast<int>(split);
   };
-  auto splits = [&](const GemmConfig& c, bool size_only) {
+  auto splits = [&](const GemmConfig& c) {
     const int64_t m = m_tiles_of(c), n1t = ceil_div(p.n1, c.bn), n2t = ceil_div(H, c.bn);
-    p.split1 = split_of(c, m, n1t, p.k1_pad, size_only);
-    p.split2 = split_of(c, m, n2t, p.k2_pad, size_only);
+    p.split1 = split_of(c, m, n1t, p.k1_pad);
+    p.split2 = split_of(c, m, n2t, p.k2_pad);
     if (s.has_shared) {
       const int64_t sm = ceil_div(p.chunk_tokens, c.bm), sn1t = ceil_div(p.shared_n1, c.bn);
-      p.shared_split1 = split_of(c, sm, sn1t, p.k1_pad, size_only);
-      p.shared_split2 = split_of(c, sm, n2t, p.shared_k2_pad, size_only);
+      p.shared_split1 = split_of(c, sm, sn1t, p.k1_pad);
+      p.shared_split2 = split_of(c, sm, n2t, p.shared_k2_pad);
     }
   };
   // The workspace is sized for the tile the device-independent choice takes too, so that workspace_size (which
-  // the caller asks without a device) holds on every device; then the splits of the tile that runs.
+  // the caller asks without a device) holds on every device; the splits are those of the tile that runs (last).
   const GemmConfig& g0 = kGemmConfigs[s.gemm_config >= 0 ? s.gemm_config : choose(false)];
-  splits(g0, true);
-  splits(g, false);
+  splits(g0);
+  splits(g);
   const int64_t tile_info_tiles = std::max(p.max_m_tiles, m_tiles_of(g0));
   p.gemm_smem = static_cast<size_t>(gemm_smem_bytes(g, s.format == WeightFormat::NVFP4));
   if (p.max_m_tiles > 0x7fffffff || p.shared_m_tiles > 0x7fffffff)
@@ -239,5 +237,11 @@ MoePlan make_plan(const ProblemShape& shape) {
 }
 
 size_t workspace_size(const ProblemShape& shape) { return make_plan(shape).workspace_bytes; }
+
+void check_gemm_tile(int gemm_tile) {
+  if (gemm_tile < -1 || gemm_tile >= kNumGemmConfigs)
+    invalid("gemm_tile", "expected -1 (chosen) or 0.." + std::to_string(kNumGemmConfigs - 1) + ", got " +
+                             std::to_string(gemm_tile));
+}
 
 }  // namespace fp4moe

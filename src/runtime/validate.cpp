@@ -225,9 +225,7 @@ CallShape validate_moe_args(const MoeWeights& weights, const MoeArgs& a, const A
   if (a.num_threads < 0) invalid("num_threads", "must be >= 0");
   // Any backend: a tile index out of range is a bad argument (the CPU reference has no tiles and ignores a valid
   // one; whether the device runs the wgmma tile is the CUDA plan's check).
-  if (a.gemm_tile < -1 || a.gemm_tile >= kNumGemmConfigs)
-    invalid("gemm_tile", "expected -1 (chosen) or 0.." + std::to_string(kNumGemmConfigs - 1) + ", got " +
-                             std::to_string(a.gemm_tile));
+  check_gemm_tile(a.gemm_tile);
   if (a.workspace.present()) {
     if (dev != Backend::CUDA) invalid("workspace", "only the CUDA backend takes a workspace");
     if (a.workspace.dtype != DType::U8 || a.workspace.ndim != 1) invalid("workspace", "expected a 1-D uint8 tensor, got " + a.workspace.shape_str());
