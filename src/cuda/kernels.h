@@ -80,7 +80,7 @@ struct LoraExpandParams {
   int which = kLoraGateUp;              // a_shared A: the t row is the token's first entry, token * token_div
 };
 
-// Shrink of x (before GEMM1), one warp per output: blocks (token, ceil(max_outputs / warps)) of the chunk. Resolves adapter_ids[t] into
+// Shrink of x (before GEMM1), blocks (token, item) of the chunk, an item 16 rank rows of one A (lora.cu). Resolves adapter_ids[t] into
 // token_slot[t] (out-of-range or empty: -1 and error flag 3), then
 //   t1[t*k + j][i] = bf16(x_t . A1_e[i])  for each local slot j (a_shared: once, in row t*k),
 //   st1[t][i]      = bf16(x_t . sA1[i])   when the call has a shared expert.
@@ -92,7 +92,8 @@ struct LoraShrink1Params {
   const uint16_t* x = nullptr;           // bf16 [T, H] (chunk-offset), the un-quantized x in A4 too
   int T = 0, k = 0, H = 0, E_loc = 0, local_offset = 0;
   bool shared_expert = false;
-  int max_outputs = 0;                   // the most outputs a token has over the loaded slots (grid size)
+  int max_items = 1;                     // the most items a token has over the loaded slots (grid size, >= 1: block 0
+                                         // of every token publishes its slot)
   int32_t* token_slot = nullptr;
   float* t1 = nullptr;
   int t1_stride = 0;

@@ -1,11 +1,20 @@
 // Multi-LoRA shrink kernels (SPEC §5). The expand half runs inside the GEMM epilogues
 // (lora_expand.cuh, on the tensor cores) and, for SharedOuter's down projection, in the combine:
-// no [T, k, 2I] delta ever goes through memory. Each shrink output is one warp's dot product in a fixed
-// order (lanes stride over 8-element chunks, then a butterfly), so it depends on its own row only: a
-// token's bits never depend on the other tokens or on their adapters.
+// no [T, k, 2I] delta ever goes through memory.
+//
+// Every shrink output t = bf16(in . A[i]) has one order, on the tensor cores, in every kernel here: K is cut into
+// chunks of kKChunk (the GEMMs' chunks); a chunk's sum is one chain of m16n8k16 steps from +0 (A rows as the mma A
+// operand, 16 rank rows a block; the input rows as B, 8 a group), and t is bf16 of the chunk sums added in chunk
+// order. Each step takes 32 k in pairs of steps: lane t's 8 consecutive k of the pair (one 16-byte load of each
+// row) feed step one with their first four and step two with their last four (the same k on both operands; past
+// K zeros). An output depends on its own A row and input row only, not on which rows share its mma, so the
+// per-token, per-row and tiled kernels give the same bits (tested), and a token's bits never depend on the other
+// tokens or on their adapters. (Version 8's order, a warp's lanes over 8-element chunks with fp32 FMA then a
+// butterfly, ran on the CUDA cores: kimi_k3_tp8 T=4096's tiled shrink of x was 534 us, issue-bound, ncu.)
 #include <algorithm>
 
 #include "cuda/kernels.h"
+#include "cuda/mma.cuh"
 #include "cuda/nvfp4_device.cuh"
 
 namespace fp4moe::cuda_backend {
@@ -18,128 +27,187 @@ constexpr bool tiles_fit() {
   return true;
 }
 static_assert(tiles_fit(), "lora_shrink_tiled_kernel keeps a tile's rows in shared memory");
+constexpr int kChunk = static_cast<int>(kKChunk);
+static_assert(kChunk % 32 == 0, "a chunk holds whole pairs of k16 steps");
 
-__device__ __forceinline__ float lo_bf16(uint32_t w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float hi_bf16(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
+// One shrink item as one lane sees it: 16 rank rows of A (a0: row g, a1: row g + 8 of this lane; null past the
+// rank) against NG groups of 8 input rows (x[j]: row g of group j; null past the rows).
+template <int NG> struct ShrinkLane {
+  const uint16_t* a0 = nullptr;
+  const uint16_t* a1 = nullptr;
+  const uint16_t* x[NG] = {};
+};
 
-// One 8-element chunk of a lane's chain: acc += x[i] * a[i], i = 0..7 in order, fp32 FMA.
-__device__ __forceinline__ void fma_chunk8(float& acc, const uint4& xv, const uint4& av) {
-  acc = __fmaf_rn(lo_bf16(xv.x), lo_bf16(av.x), acc);
-  acc = __fmaf_rn(hi_bf16(xv.x), hi_bf16(av.x), acc);
-  acc = __fmaf_rn(lo_bf16(xv.y), lo_bf16(av.y), acc);
-  acc = __fmaf_rn(hi_bf16(xv.y), hi_bf16(av.y), acc);
-  acc = __fmaf_rn(lo_bf16(xv.z), lo_bf16(av.z), acc);
-  acc = __fmaf_rn(hi_bf16(xv.z), hi_bf16(av.z), acc);
-  acc = __fmaf_rn(lo_bf16(xv.w), lo_bf16(av.w), acc);
-  acc = __fmaf_rn(hi_bf16(xv.w), hi_bf16(av.w), acc);
-}
-// The lanes' partial sums added by a fixed butterfly: the same value in every lane.
-__device__ __forceinline__ float warp_sum(float acc) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, off));
-  return acc;
+__device__ __forceinline__ uint4 load16(const uint16_t* p, bool ok) {
+  return ok && p ? __ldg(reinterpret_cast<const uint4*>(p)) : make_uint4(0u, 0u, 0u, 0u);
 }
 
-// sum_k x_j[k] * a[k] over K (a multiple of 8; x_j and a 16-byte aligned) for the first n <= ROWS rows x_j, fp32,
-// the same value in every lane: per row one chain over the lane's chunks c = lane, lane + 32, ... in order, then a
-// fixed butterfly — the same bits whatever ROWS and UNROLL. One read of the row of A serves all the rows x_j. The
-// loads of UNROLL chunks a lane are issued before their multiply-adds: with one chunk in flight a decode token's
-// shrink was a row of dependent memory latencies (ncu, kimi_k3_tp8 T=1: shrink1 ~10 us for 14 chunks a lane), and
-// the tiled shrink latency-bound (kimi T=1024: 270 us against the per-token kernel's 235).
-template <int ROWS, int UNROLL>
-__device__ __forceinline__ void warp_dot_rows(const uint16_t* const xr[ROWS], int n, const uint16_t* a, int K, int lane,
-                                              float out[ROWS]) {
-  float acc[ROWS];
+// d[j] = the chain of one K chunk [kb, ke) (kb a multiple of kChunk, ke of 16) from +0: thread (g, t) gets
+// (rank g, row 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1) of group j. U pairs of steps' loads in flight.
+template <int NG>
+__device__ __forceinline__ void shrink_chunk(float (&d)[NG][4], const ShrinkLane<NG>& L, int kb, int ke, int t) {
+  constexpr int U = NG >= 4 ? 2 : 4;
 #pragma unroll
-  for (int j = 0; j < ROWS; ++j) acc[j] = 0.f;
-  const int chunks = K >> 3;
-  for (int c0 = lane; c0 < chunks; c0 += 32 * UNROLL) {
-    uint4 av[UNROLL], xv[ROWS][UNROLL];
+  for (int j = 0; j < NG; ++j) d[j][0] = d[j][1] = d[j][2] = d[j][3] = 0.f;
+  for (int k0 = kb; k0 < ke; k0 += 32 * U) {
+    uint4 av[U][2], xv[U][NG];
 #pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-      const int c = c0 + 32 * u;
-      if (c < chunks) av[u] = *reinterpret_cast<const uint4*>(a + c * 8);
+    for (int u = 0; u < U; ++u) {
+      const int k = k0 + 32 * u + 8 * t;
+      const bool in = k < ke;  // ke and k are multiples of 8: the lane's 8 k are all in or all out
+      av[u][0] = load16(L.a0 + k, in && L.a0);
+      av[u][1] = load16(L.a1 + k, in && L.a1);
 #pragma unroll
-      for (int j = 0; j < ROWS; ++j)
-        if (j < n && c < chunks) xv[j][u] = *reinterpret_cast<const uint4*>(xr[j] + c * 8);
+      for (int j = 0; j < NG; ++j) xv[u][j] = load16(L.x[j] + k, in && L.x[j]);
     }
 #pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-      if (c0 + 32 * u >= chunks) break;
+    for (int u = 0; u < U; ++u) {
+      if (k0 + 32 * u >= ke) break;  // warp-uniform
 #pragma unroll
-      for (int j = 0; j < ROWS; ++j) {
-        if (j >= n) break;
-        fma_chunk8(acc[j], xv[j][u], av[u]);
+      for (int j = 0; j < NG; ++j) {
+        const uint32_t a1[4] = {av[u][0].x, av[u][1].x, av[u][0].y, av[u][1].y}, b1[2] = {xv[u][j].x, xv[u][j].y};
+        dev::mma_bf16_16816(d[j], a1, b1);
+        const uint32_t a2[4] = {av[u][0].z, av[u][1].z, av[u][0].w, av[u][1].w}, b2[2] = {xv[u][j].z, xv[u][j].w};
+        dev::mma_bf16_16816(d[j], a2, b2);
       }
     }
   }
-#pragma unroll
-  for (int j = 0; j < ROWS; ++j) out[j] = warp_sum(acc[j]);
-}
-// One row: sum_k x[k] * a[k], eight chunks a lane in flight.
-__device__ __forceinline__ float warp_dot_bf16(const uint16_t* x, const uint16_t* a, int K, int lane) {
-  const uint16_t* const xr[1] = {x};
-  float v[1];
-  warp_dot_rows<1, 8>(xr, 1, a, K, lane, v);
-  return v[0];
 }
 
+// The shrinks of `items` items by one block (every thread, block-uniform arguments): lane_at(item) gives the lane's
+// ShrinkLane, store(item, s) takes the lane's sums s[j][q] (rounded by the caller). Warps take (item, chunk) units,
+// up to kUnits a round, their chunk sums meet in part[unit][lane]; one warp an item adds them in chunk order (with
+// more than kUnits chunks, one item a round and warp 0 carries the sum over rounds). So the chunks of one item run
+// on several warps (a decode token's shrink is one item of ~14 chunks), and short-K items (one chunk) share a round.
+constexpr int kUnits = 16;
+template <int NG, class LaneAt, class Store>
+__device__ __forceinline__ void block_shrink(int items, int K, float4 (*part)[32][NG], LaneAt&& lane_at,
+                                             Store&& store) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5, t = lane & 3;
+  const int chunks = (K + kChunk - 1) / kChunk, cpr = min(chunks, kUnits), nb = kUnits / cpr;
+  float tot[NG][4];
+  for (int b0 = 0; b0 < items; b0 += nb) {
+    const int nbi = min(nb, items - b0);
+    for (int c0 = 0; c0 < chunks; c0 += cpr) {
+      const int nc = min(cpr, chunks - c0);
+      for (int u = warp; u < nbi * nc; u += nw) {
+        const int item = b0 + u / nc, c = c0 + u % nc;
+        float d[NG][4];
+        shrink_chunk<NG>(d, lane_at(item), c * kChunk, min(K, (c + 1) * kChunk), t);
+#pragma unroll
+        for (int j = 0; j < NG; ++j) part[u][lane][j] = make_float4(d[j][0], d[j][1], d[j][2], d[j][3]);
+      }
+      __syncthreads();
+      for (int bi = warp; bi < nbi; bi += nw) {
+        float s[NG][4];
+        for (int c = 0; c < nc; ++c) {
+#pragma unroll
+          for (int j = 0; j < NG; ++j) {
+            const float4 v = part[bi * nc + c][lane][j];
+            const float w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int q = 0; q < 4; ++q)
+              s[j][q] = c0 == 0 && c == 0 ? w[q] : __fadd_rn(c == 0 ? tot[j][q] : s[j][q], w[q]);
+          }
+        }
+        if (c0 + nc == chunks) store(b0 + bi, s);
+        else {
+#pragma unroll
+          for (int j = 0; j < NG; ++j)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) tot[j][q] = s[j][q];
+        }
+      }
+      __syncthreads();
+    }
+  }
+}
+
+// One input row (NG = 1, column 0 of the mma; lanes of the other columns load nothing) against 16 rows of A from
+// rank row i0 (rank r, row length K).
+__device__ __forceinline__ ShrinkLane<1> one_row_lane(const uint16_t* in, const uint16_t* A, int r, int i0, int K) {
+  const int gq = (threadIdx.x & 31) >> 2;
+  ShrinkLane<1> L;
+  if (i0 + gq < r) L.a0 = A + static_cast<int64_t>(i0 + gq) * K;
+  if (i0 + gq + 8 < r) L.a1 = A + static_cast<int64_t>(i0 + gq + 8) * K;
+  if (gq == 0) L.x[0] = in;
+  return L;
+}
+// Stores an item of one_row_lane: rank rows i0 + g and i0 + g + 8 of column 0 (lanes t = 0).
+__device__ __forceinline__ void store_one_row(const float (&s)[1][4], float* dst, int r, int i0) {
+  const int lane = threadIdx.x & 31, gq = lane >> 2;
+  if ((lane & 3) != 0) return;
+  if (i0 + gq < r) dst[i0 + gq] = dev::round_to_bf16(s[0][0]);
+  if (i0 + gq + 8 < r) dst[i0 + gq + 8] = dev::round_to_bf16(s[0][2]);
+}
+
+// One shrink1 item: 16 rank rows of one A against the token's x.
+struct Shrink1Item {
+  const uint16_t* A = nullptr;
+  float* dst = nullptr;
+  int r = 0, i0 = 0;
+};
+
+// Block (token t, item y): the token's items are its routed entries' A1 (entry j, in 16-row blocks; one row t*k
+// for a shared A1) then the shared expert's. Block y = 0 of each token also resolves and publishes its slot.
 __global__ void lora_shrink1_kernel(LoraShrink1Params p) {
-  const int t = static_cast<int>(blockIdx.x);
-  __shared__ int s_slot;
+  __shared__ float4 part[kUnits][32][1];
+  __shared__ Shrink1Item s_item;
+  const int t = static_cast<int>(blockIdx.x), y = static_cast<int>(blockIdx.y);
   if (threadIdx.x == 0) {
     // The only place adapter_ids are read: anything but -1 or a loaded slot is dropped (base) and flagged (by the
     // token's first block, which also publishes the slot).
     const int id = p.adapter_ids[t];
     int slot = -1;
     if (id >= 0 && id < p.num_slots && p.table[id].loaded) slot = id;
-    else if (id != -1 && blockIdx.y == 0) atomicExch(p.error_flag, kErrAdapterIds);
-    if (blockIdx.y == 0) p.token_slot[t] = slot;
-    s_slot = slot;
+    else if (id != -1 && y == 0) atomicExch(p.error_flag, kErrAdapterIds);
+    if (y == 0) p.token_slot[t] = slot;
+    Shrink1Item it;
+    if (slot >= 0) {
+      const LoraProj gu = p.table[slot].proj[kLoraGateUp];
+      const LoraProj sg = p.shared_expert ? p.table[slot].proj[kLoraSharedGateUp] : LoraProj{};
+      const int mb_gu = (gu.r + 15) / 16;
+      const int n_routed = gu.r > 0 && (gu.a_shared || !p.routed_in_tiles) ? (gu.a_shared ? 1 : p.k) * mb_gu : 0;
+      const int n_shared = sg.r > 0 ? (sg.r + 15) / 16 : 0;
+      if (y < n_routed) {
+        const int j = y / mb_gu, entry = t * p.k + j;
+        int e = 0;
+        if (!gu.a_shared) e = p.ids[entry] - p.local_offset;
+        if (e >= 0 && e < p.E_loc) {  // else another rank's expert or a dropped id: no GEMM row reads it
+          it.A = gu.A + static_cast<int64_t>(e) * gu.r * p.H;
+          it.dst = p.t1 + static_cast<int64_t>(entry) * p.t1_stride;
+          it.r = gu.r;
+          it.i0 = (y % mb_gu) * 16;
+        }
+      } else if (y < n_routed + n_shared) {
+        it.A = sg.A;
+        it.dst = p.st1 + static_cast<int64_t>(t) * p.st_stride;
+        it.r = sg.r;
+        it.i0 = (y - n_routed) * 16;
+      }
+    }
+    s_item = it;
   }
   __syncthreads();
-  const int slot = s_slot;
-  if (slot < 0) return;
-  const LoraProj gu = p.table[slot].proj[kLoraGateUp];
-  const LoraProj sg = p.shared_expert ? p.table[slot].proj[kLoraSharedGateUp] : LoraProj{};
+  const Shrink1Item it = s_item;
+  if (!it.A) return;  // block-uniform
   const uint16_t* x = p.x + static_cast<int64_t>(t) * p.H;
-  const int n_routed = gu.r > 0 && (gu.a_shared || !p.routed_in_tiles) ? (gu.a_shared ? 1 : p.k) * gu.r : 0;
-  const int n_total = n_routed + (sg.r > 0 ? sg.r : 0);
-  const int lane = threadIdx.x & 31, nwarps = (blockDim.x >> 5) * gridDim.y;
-  const int warp = static_cast<int>(blockIdx.y) * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  for (int o = warp; o < n_total; o += nwarps) {  // o is warp-uniform; the token's blocks share its outputs
-    const uint16_t* arow;
-    float* dst;
-    if (o < n_routed) {
-      const int j = o / gu.r, i = o % gu.r;
-      const int entry = t * p.k + j;
-      int e = 0;
-      if (!gu.a_shared) {
-        e = p.ids[entry] - p.local_offset;
-        if (e < 0 || e >= p.E_loc) continue;  // another rank's expert or a dropped id: no GEMM row reads it
-      }
-      arow = gu.A + (static_cast<int64_t>(e) * gu.r + i) * p.H;
-      dst = p.t1 + static_cast<int64_t>(entry) * p.t1_stride + i;
-    } else {
-      const int i = o - n_routed;
-      arow = sg.A + static_cast<int64_t>(i) * p.H;
-      dst = p.st1 + static_cast<int64_t>(t) * p.st_stride + i;
-    }
-    const float v = warp_dot_bf16(x, arow, p.H, lane);
-    if (lane == 0) *dst = dev::round_to_bf16(v);
-  }
+  block_shrink<1>(
+      1, p.H, part, [&](int) { return one_row_lane(x, it.A, it.r, it.i0, p.H); },
+      [&](int, const float (&s)[1][4]) { store_one_row(s, it.dst, it.r, it.i0); });
 }
 
-// The tiled shrink's runs: up to kRunRows rows of x against one row of A, kUnroll chunks a lane in flight.
-constexpr int kRunRows = 4, kUnroll = 4;
+// The tiled shrink's runs: up to kRunRows rows of one adapter (4 groups of 8 in one item's mma B operand).
+constexpr int kRunRows = 32, kRunGroups = kRunRows / 8;
+constexpr int kTiledBlocks = 4;  // blocks a tile (the tile's items are dealt out among them)
 
 // The routed shrinks over GEMM1's row tiles (plan.lora_shrink_tiled), after the permutation: a tile's rows are
 // one expert's, ordered by adapter slot (order_by_adapter_kernel), so a run of rows with one slot shares
-// A_{slot,e}. The per-token kernel read A1 once per (token, slot) entry: kimi_k3_tp8 T=1024 with eight rank-16
-// adapters touched 940 MB of A1 rows for 352 MB of distinct ones (ncu: 235 us). Each output is the warp dot of
-// warp_dot_bf16 (the per-token / per-row kernels' bits). Work items (run of <= kRunRows rows, row i of A) are
-// spread over the warps of the tile's gridDim.y blocks.
+// A_{slot,e}: an item is (run, 16 rank rows), and one read of its A rows serves the run's rows. (The per-token
+// kernel reads A1 once per (token, slot) entry: kimi_k3_tp8 T=1024 with eight rank-16 adapters touched 940 MB of
+// A1 rows for 352 MB of distinct ones.)
 __global__ void lora_shrink_tiled_kernel(LoraTiledShrinkParams p) {
+  __shared__ float4 part[kUnits][32][kRunGroups];
   __shared__ int s_entry[kMaxTileRows], s_slot[kMaxTileRows], s_run0[kMaxTileRows + 1], s_item0[kMaxTileRows + 1];
   __shared__ LoraProj s_proj[kMaxTileRows];
   __shared__ int s_runs;
@@ -153,7 +221,7 @@ __global__ void lora_shrink_tiled_kernel(LoraTiledShrinkParams p) {
     s_slot[i] = p.token_slot[entry / p.k];
   }
   __syncthreads();
-  if (threadIdx.x == 0) {  // runs of one slot (at most kRunRows rows) and their first work item
+  if (threadIdx.x == 0) {  // runs of one slot (at most kRunRows rows) and their first item
     int runs = 0, items = 0;
     for (int r0 = 0; r0 < n;) {
       const int slot = s_slot[r0];
@@ -165,7 +233,7 @@ __global__ void lora_shrink_tiled_kernel(LoraTiledShrinkParams p) {
       s_run0[runs] = r0;
       s_item0[runs] = items;
       s_proj[runs] = pj;
-      items += pj.r;
+      items += (pj.r + 15) / 16;
       ++runs;
       r0 = r1;
     }
@@ -174,32 +242,52 @@ __global__ void lora_shrink_tiled_kernel(LoraTiledShrinkParams p) {
     s_runs = runs;
   }
   __syncthreads();
-  const int runs = s_runs, items = s_item0[runs];
-  const int lane = threadIdx.x & 31, nwarps = (blockDim.x >> 5) * gridDim.y;
-  const int warp = static_cast<int>(blockIdx.y) * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  int run = 0;
-  for (int item = warp; item < items; item += nwarps) {  // warp-uniform
+  const int runs = s_runs, items = s_item0[runs], y = static_cast<int>(blockIdx.y);
+  const int mine = items > y ? (items - y + kTiledBlocks - 1) / kTiledBlocks : 0;  // items y, y + 4, ...
+  const int gq = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+  auto locate = [&](int m, int& run, int& i0) {  // this block's m-th item: its run and first rank row
+    const int item = y + kTiledBlocks * m;
+    run = 0;
     while (s_item0[run + 1] <= item) ++run;
-    const LoraProj& pj = s_proj[run];
-    const int i = item - s_item0[run], r0 = s_run0[run], cnt = s_run0[run + 1] - r0;
-    const uint16_t* xr[kRunRows];
+    i0 = (item - s_item0[run]) * 16;
+  };
+  block_shrink<kRunGroups>(
+      mine, p.K, part,
+      [&](int m) {
+        int run, i0;
+        locate(m, run, i0);
+        const LoraProj& pj = s_proj[run];
+        const uint16_t* A = pj.A + static_cast<int64_t>(pj.a_shared ? 0 : e) * pj.r * p.K;
+        ShrinkLane<kRunGroups> L;
+        if (i0 + gq < pj.r) L.a0 = A + static_cast<int64_t>(i0 + gq) * p.K;
+        if (i0 + gq + 8 < pj.r) L.a1 = A + static_cast<int64_t>(i0 + gq + 8) * p.K;
+        const int r0 = s_run0[run], cnt = s_run0[run + 1] - r0;
 #pragma unroll
-    for (int j = 0; j < kRunRows; ++j) {
-      const int r = r0 + (j < cnt ? j : 0);
-      xr[j] = p.in + static_cast<int64_t>(p.gather ? s_entry[r] / p.k : row0 + r) * p.K;
-    }
-    const uint16_t* arow = pj.A + (static_cast<int64_t>(pj.a_shared ? 0 : e) * pj.r + i) * p.K;
-    float v[kRunRows];
-    warp_dot_rows<kRunRows, kUnroll>(xr, cnt, arow, p.K, lane, v);
-    if (lane == 0) {
+        for (int j = 0; j < kRunGroups; ++j) {
+          const int rr = j * 8 + gq;
+          if (rr < cnt)
+            L.x[j] = p.in + static_cast<int64_t>(p.gather ? s_entry[r0 + rr] / p.k : row0 + r0 + rr) * p.K;
+        }
+        return L;
+      },
+      [&](int m, const float (&s)[kRunGroups][4]) {
+        int run, i0;
+        locate(m, run, i0);
+        const int r = s_proj[run].r, r0 = s_run0[run], cnt = s_run0[run + 1] - r0;
 #pragma unroll
-      for (int j = 0; j < kRunRows; ++j)
-        if (j < cnt) p.t[static_cast<int64_t>(s_entry[r0 + j]) * p.t_stride + i] = dev::round_to_bf16(v[j]);
-    }
-  }
+        for (int j = 0; j < kRunGroups; ++j)
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            const int rr = j * 8 + 2 * t + (q & 1), i = i0 + gq + 8 * (q >> 1);
+            if (rr < cnt && i < r)
+              p.t[static_cast<int64_t>(s_entry[r0 + rr]) * p.t_stride + i] = dev::round_to_bf16(s[j][q]);
+          }
+      });
 }
 
+// Block per row: the row's items are 16-row blocks of its adapter's A (routed: A2 of the row's expert).
 __global__ void lora_shrink2_kernel(LoraShrink2Params p) {
+  __shared__ float4 part[kUnits][32][1];
   const int row = static_cast<int>(blockIdx.x);
   if (p.row_count && row >= *p.row_count) return;  // rows the permutation did not fill
   int entry = row, token = row, e = 0;
@@ -214,26 +302,25 @@ __global__ void lora_shrink2_kernel(LoraShrink2Params p) {
   if (pj.r <= 0) return;
   const uint16_t* a = p.a + static_cast<int64_t>(row) * p.K;
   const uint16_t* A = pj.A + static_cast<int64_t>(pj.a_shared ? 0 : e) * pj.r * p.K;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  for (int i = warp; i < pj.r; i += nwarps) {
-    const float v = warp_dot_bf16(a, A + static_cast<int64_t>(i) * p.K, p.K, lane);
-    if (lane == 0) p.t[static_cast<int64_t>(entry) * p.t_stride + i] = dev::round_to_bf16(v);
-  }
+  float* dst = p.t + static_cast<int64_t>(entry) * p.t_stride;
+  block_shrink<1>(
+      (pj.r + 15) / 16, p.K, part, [&](int m) { return one_row_lane(a, A, pj.r, 16 * m, p.K); },
+      [&](int m, const float (&s)[1][4]) { store_one_row(s, dst, pj.r, 16 * m); });
 }
 
 }  // namespace
 
 void launch_lora_shrink1(const LoraShrink1Params& p, int threads, cudaStream_t stream) {
   if (p.T <= 0) return;
-  const int warps = threads / 32, per_token = std::max(1, (p.max_outputs + warps - 1) / warps);
-  lora_shrink1_kernel<<<dim3(static_cast<unsigned>(p.T), static_cast<unsigned>(per_token)), threads, 0, stream>>>(p);
+  lora_shrink1_kernel<<<dim3(static_cast<unsigned>(p.T), static_cast<unsigned>(p.max_items)), threads, 0, stream>>>(p);
   check_launch("lora_shrink1_kernel");
 }
 
 void launch_lora_shrink_tiled(const LoraTiledShrinkParams& p, cudaStream_t stream) {
   if (p.max_tiles <= 0) return;
-  // 4 warps a block, 4 blocks a tile: 16 warps share the tile's (run, A row) items.
-  lora_shrink_tiled_kernel<<<dim3(static_cast<unsigned>(p.max_tiles), 4u), 128, 0, stream>>>(p);
+  // 4 warps a block, kTiledBlocks blocks a tile: the tile's (run, 16 rank rows) items are dealt out to the blocks,
+  // an item's chunks to a block's warps.
+  lora_shrink_tiled_kernel<<<dim3(static_cast<unsigned>(p.max_tiles), kTiledBlocks), 128, 0, stream>>>(p);
   check_launch("lora_shrink_tiled_kernel");
 }
 

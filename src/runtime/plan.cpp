@@ -216,7 +216,8 @@ MoePlan make_plan(const ProblemShape& shape) {
     p.lora_rank = s.max_lora_rank > 0 ? s.max_lora_rank : kMaxLoraRank;
     p.lora_r1_stride = 2 * p.lora_rank;
     p.lora_r2_stride = p.lora_rank;
-    p.lora_shrink1_threads = 128;
+    // A decode token's shrink of x is one item of ceil(H / kKChunk) chunks (src/cuda/lora.cu): a warp a chunk, 4..16.
+    p.lora_shrink1_threads = static_cast<int>(32 * std::clamp<int64_t>(ceil_div(s.H, kKChunk), 4, 16));
     // The tiled routed shrinks where they measured faster (H200, eight rank-16 adapters, final-5 against final-4):
     // at least 20 rows an expert and 300 row tiles expected, counting only this rank's share of the rows under EP.
     // Few tiles leave too few warps for the tiled kernel: mixtral_8x7b T=256 (16 tiles) +17 %, deepseek_v3_ep8
