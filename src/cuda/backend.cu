@@ -480,9 +480,10 @@ void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& a
       if (sw && a->has_shared && (a->s_I != sw->I || a->s_N1 != sw->N1))
         throw Error(ErrorCode::InvalidArgument, "adapters", slot + ": its shared-expert LoRA does not match the shared expert");
       max_rank = std::max(max_rank, a->rank);
-      // lora_shrink1_kernel's items: 16 rank rows of one A each.
-      const int64_t routed = a->has_gate_up ? (a->a1_shared ? 1 : args.routing.top_k) * ((a->r1 + 15) / 16) : 0;
-      const int64_t shared = sw && a->has_shared && a->s_has_gate_up ? (a->s_r + 15) / 16 : 0;
+      // lora_shrink1_kernel's items: kLoraRowsPerItem rank rows of one A each.
+      const int64_t routed = a->has_gate_up ? (a->a1_shared ? 1 : args.routing.top_k) *
+                                                   ((a->r1 + kLoraRowsPerItem - 1) / kLoraRowsPerItem) : 0;
+      const int64_t shared = sw && a->has_shared && a->s_has_gate_up ? (a->s_r + kLoraRowsPerItem - 1) / kLoraRowsPerItem : 0;
       max_shrink1_items = std::max(max_shrink1_items, routed + shared);
       max_untiled_shrink1_items = std::max(max_untiled_shrink1_items, (a->a1_shared ? routed : 0) + shared);
     }

@@ -76,107 +76,6 @@ constexpr int kSkinnySmemPerSm = 0;
 template <class Cfg> constexpr int kSkinnyMinBlocks =
     Cfg::WGMMA ? 2 : std::max(1, kSkinnySmemPerSm / (Cfg::SMEM_BYTES + 1024));
 
-// The LoRA deltas of a weights-as-A tile's fragments (lora_expand.cuh; here B_e rows are the A operand, the
-// tokens' t rows the B operand): dl[i][r] = thread (g, t)'s delta of tokens 2t, 2t + 1 of group i and weight rows
-// n0 + 16r + g, + 8, +0 for rows without one. Each group's lowest adapter first, for every group at once: the
-// groups' loads (row -> token -> slot -> table -> B, t) are independent, so a tile waits one chain of latencies,
-// not one a group (per group in turn, kimi_k3_tp8 T=4096's GEMM2 took 1760 us with LoRA against 872 without,
-// ncu). Then the further adapters of a group whose rows name several (rows are ordered by adapter within an
-// expert, so few), one at a time. Every row's delta is the chain of its own adapter, as before: the same bits.
-template <class Epi, class Act, int GROUPS, int RG>
-__device__ __forceinline__ void skinny_lora_deltas(const typename Epi::Params& ep, const GemmProblem& g,
-                                                   const TileRows& tr, int n0, int groups, float (&dl)[GROUPS][RG][4]) {
-  const LoraExpandParams& L = ep.lora;
-  const int lane = threadIdx.x & 31, gq = lane >> 2, t = lane & 3;
-  const int N = Epi::cols(ep);
-  int brow[RG][2];  // this lane's B rows (weight rows n0 + 16r + g and + 8; -1 past N), whatever the adapter
-#pragma unroll
-  for (int r = 0; r < RG; ++r)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int n = n0 + 16 * r + gq + 8 * h;
-      brow[r][h] = n < N ? Epi::template lora_b_row<Act>(ep, n) : -1;
-    }
-  // One k16-step chain per (group, row group) for slot s of rank rk; B_s: the expert's B of that slot.
-  auto chain_step = [&](float (&d)[RG][4], const uint16_t* Bs, int rk, const float* trow, int k0) {
-    uint32_t b[2];
-    b[0] = dev::lora_t_pair(trow, rk, k0 + 2 * t);
-    b[1] = dev::lora_t_pair(trow, rk, k0 + 2 * t + 8);
-#pragma unroll
-    for (int r = 0; r < RG; ++r) {
-      const uint16_t* ba = brow[r][0] >= 0 ? Bs + static_cast<int64_t>(brow[r][0]) * rk : nullptr;
-      const uint16_t* bb = brow[r][1] >= 0 ? Bs + static_cast<int64_t>(brow[r][1]) * rk : nullptr;
-      uint32_t a[4];
-      a[0] = dev::lora_b_pair(ba, rk, k0 + 2 * t);
-      a[1] = dev::lora_b_pair(bb, rk, k0 + 2 * t);
-      a[2] = dev::lora_b_pair(ba, rk, k0 + 2 * t + 8);
-      a[3] = dev::lora_b_pair(bb, rk, k0 + 2 * t + 8);
-      dev::mma_bf16_16816(d[r], a, b);
-    }
-  };
-  auto keep = [&](float (&out)[RG][4], const float (&d)[RG][4], int sel0, int sel1, int s) {
-#pragma unroll
-    for (int r = 0; r < RG; ++r) {
-      if (sel0 == s) { out[r][0] = dev::round_to_bf16(d[r][0]); out[r][2] = dev::round_to_bf16(d[r][2]); }
-      if (sel1 == s) { out[r][1] = dev::round_to_bf16(d[r][1]); out[r][3] = dev::round_to_bf16(d[r][3]); }
-    }
-  };
-
-  // Groups in batches of GB (more at once spilled registers: the wgmma tile's eight groups).
-  constexpr int GB = GROUPS < 4 ? GROUPS : 4;
-#pragma unroll
-  for (int ib = 0; ib < GROUPS; ib += GB) {
-    if (ib >= groups) break;
-    dev::LoraRowRef rr[GB];  // this lane's B column: token gq of group ib + i
-#pragma unroll
-    for (int i = 0; i < GB; ++i) {
-      const int crow = tr.row0 + (ib + i) * 8 + gq;
-      if (ib + i < groups && crow < tr.row_end) rr[i] = dev::lora_row_ref(L, entry_of(g, crow), ep.token_div);
-    }
-    int s0[GB], rk[GB], rmax = 0;
-    const uint16_t* Bs[GB];
-#pragma unroll
-    for (int i = 0; i < GB; ++i) {
-      s0[i] = __reduce_min_sync(0xffffffffu, rr[i].slot >= 0 ? rr[i].slot : INT_MAX);
-      rk[i] = 0;
-      Bs[i] = nullptr;
-      if (s0[i] != INT_MAX) {
-        const LoraProj& pj = L.table[s0[i]].proj[L.which];
-        rk[i] = pj.r;
-        Bs[i] = pj.B + static_cast<int64_t>(tr.expert) * N * pj.r;
-      }
-      rmax = max(rmax, rk[i]);
-    }
-    // The chains run in dl itself (+0 on entry); then each output keeps its rounded value or drops to +0.
-    for (int k0 = 0; k0 < rmax; k0 += 16)
-#pragma unroll
-      for (int i = 0; i < GB; ++i)
-        if (k0 < rk[i]) chain_step(dl[ib + i], Bs[i], rk[i], rr[i].t, k0);
-#pragma unroll
-    for (int i = 0; i < GB; ++i) {
-      const int sel0 = __shfl_sync(0xffffffffu, rr[i].slot, 8 * t), sel1 = __shfl_sync(0xffffffffu, rr[i].slot, 8 * t + 4);
-#pragma unroll
-      for (int r = 0; r < RG; ++r) {
-        dl[ib + i][r][0] = sel0 == s0[i] ? dev::round_to_bf16(dl[ib + i][r][0]) : 0.f;
-        dl[ib + i][r][2] = sel0 == s0[i] ? dev::round_to_bf16(dl[ib + i][r][2]) : 0.f;
-        dl[ib + i][r][1] = sel1 == s0[i] ? dev::round_to_bf16(dl[ib + i][r][1]) : 0.f;
-        dl[ib + i][r][3] = sel1 == s0[i] ? dev::round_to_bf16(dl[ib + i][r][3]) : 0.f;
-      }
-      if (ib + i >= groups) continue;
-      const int keys[1] = {rr[i].slot > s0[i] ? rr[i].slot : -1};
-      dev::for_each_slot(keys, [&](int s) {
-        const LoraProj& pj = L.table[s].proj[L.which];
-        const uint16_t* B = pj.B + static_cast<int64_t>(tr.expert) * N * pj.r;
-        float e[RG][4];
-#pragma unroll
-        for (int r = 0; r < RG; ++r) e[r][0] = e[r][1] = e[r][2] = e[r][3] = 0.f;
-        for (int k0 = 0; k0 < pj.r; k0 += 16) chain_step(e, B, pj.r, rr[i].t, k0);
-        keep(dl[ib + i], e, sel0, sel1, s);
-      });
-    }
-  }
-}
-
 template <class Cfg, class Epi, class Act>
 __global__ void __launch_bounds__(Cfg::THREADS, kSkinnyMinBlocks<Cfg>)
     skinny_gemm_kernel(GemmProblem g, typename Epi::Params ep) {
@@ -342,27 +241,60 @@ __global__ void __launch_bounds__(Cfg::THREADS, kSkinnyMinBlocks<Cfg>)
   if constexpr (Cfg::FP4) unscale_products(acc);
 
   // Thread (g, t) holds out(token 2t + {0,1} of group i, weight rows n0 + 16r + g and + 8), and the LoRA delta of
-  // the same fragment (skinny_lora_deltas). The epilogue takes column pairs (even, odd) of one row: row g + 1's
-  // values come from lane + 4.
+  // the same fragment (lora_expand.cuh; here B_e rows are the A operand, the tokens' t rows the B operand), one
+  // pass per adapter of the group's 8 tokens (a pass per adapter of the whole tile instead ran every group through
+  // every adapter of the tile: kimi T=1024 with LoRA 1540 -> 1879 us). The epilogue takes column pairs (even, odd)
+  // of one row: row g + 1's values come from lane + 4.
   const auto x = Epi::template expert_ctx<Act>(ep, tr.expert);
-  float dl[GROUPS][RG][4];
-#pragma unroll
-  for (int i = 0; i < GROUPS; ++i)
-#pragma unroll
-    for (int r = 0; r < RG; ++r) dl[i][r][0] = dl[i][r][1] = dl[i][r][2] = dl[i][r][3] = 0.f;
-  if (ep.lora.table) skinny_lora_deltas<Epi, Act>(ep, g, tr, n0, groups, dl);
+  const int N = Epi::cols(ep);
 #pragma unroll
   for (int i = 0; i < GROUPS; ++i) {
     if (i >= groups) break;
+    float dl[RG][4];
+#pragma unroll
+    for (int r = 0; r < RG; ++r) dl[r][0] = dl[r][1] = dl[r][2] = dl[r][3] = 0.f;
+    if (ep.lora.table) {
+      dev::LoraRowRef rr;  // this lane's B column: token gq of the group
+      const int crow = tr.row0 + i * 8 + gq;
+      if (crow < tr.row_end) rr = dev::lora_row_ref(ep.lora, entry_of(g, crow), ep.token_div);
+      const int sel0 = __shfl_sync(0xffffffffu, rr.slot, 8 * t), sel1 = __shfl_sync(0xffffffffu, rr.slot, 8 * t + 4);
+      const int keys[1] = {rr.slot};
+      dev::for_each_slot(keys, [&](int s) {
+        const LoraProj& pj = ep.lora.table[s].proj[ep.lora.which];
+        const int rk = pj.r;
+        const uint16_t* B = pj.B + static_cast<int64_t>(tr.expert) * N * rk;
+#pragma unroll
+        for (int r = 0; r < RG; ++r) {
+          const int na = n0 + 16 * r + gq, nb8 = na + 8;
+          const uint16_t* ba = na < N ? B + static_cast<int64_t>(Epi::template lora_b_row<Act>(ep, na)) * rk : nullptr;
+          const uint16_t* bb = nb8 < N ? B + static_cast<int64_t>(Epi::template lora_b_row<Act>(ep, nb8)) * rk : nullptr;
+          float d[4];
+          dev::lora_mma(
+              d, rk,
+              [&](int k0, uint32_t a[4]) {
+                a[0] = dev::lora_b_pair(ba, rk, k0 + 2 * t);
+                a[1] = dev::lora_b_pair(bb, rk, k0 + 2 * t);
+                a[2] = dev::lora_b_pair(ba, rk, k0 + 2 * t + 8);
+                a[3] = dev::lora_b_pair(bb, rk, k0 + 2 * t + 8);
+              },
+              [&](int k0, uint32_t b[2]) {
+                b[0] = dev::lora_t_pair(rr.t, rk, k0 + 2 * t);
+                b[1] = dev::lora_t_pair(rr.t, rk, k0 + 2 * t + 8);
+              });
+          if (sel0 == s) { dl[r][0] = dev::round_to_bf16(d[0]); dl[r][2] = dev::round_to_bf16(d[2]); }
+          if (sel1 == s) { dl[r][1] = dev::round_to_bf16(d[1]); dl[r][3] = dev::round_to_bf16(d[3]); }
+        }
+      });
+    }
     float nb[RG][4], dn[RG][4];
 #pragma unroll
     for (int r = 0; r < RG; ++r)
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
         nb[r][q] = __shfl_down_sync(0xffffffffu, acc[i * RG + r][q], 4);
-        dn[r][q] = __shfl_down_sync(0xffffffffu, dl[i][r][q], 4);
+        dn[r][q] = __shfl_down_sync(0xffffffffu, dl[r][q], 4);
       }
-    if ((gq & 1) == 0) {  // no early exit: the next group's shuffles need every lane converged
+    if ((gq & 1) == 0) {  // no early exit: the next group's expand needs every lane converged
 #pragma unroll
       for (int tk = 0; tk < 2; ++tk) {
         const int row = tr.row0 + i * 8 + 2 * t + tk;
@@ -371,8 +303,8 @@ __global__ void __launch_bounds__(Cfg::THREADS, kSkinnyMinBlocks<Cfg>)
 #pragma unroll
         for (int r = 0; r < RG; ++r) {
           const int a = i * RG + r;
-          Epi::template pair<Act>(ep, x, rc, n0 + 16 * r + gq, acc[a][tk], nb[r][tk], dl[i][r][tk], dn[r][tk]);
-          Epi::template pair<Act>(ep, x, rc, n0 + 16 * r + gq + 8, acc[a][2 + tk], nb[r][2 + tk], dl[i][r][2 + tk],
+          Epi::template pair<Act>(ep, x, rc, n0 + 16 * r + gq, acc[a][tk], nb[r][tk], dl[r][tk], dn[r][tk]);
+          Epi::template pair<Act>(ep, x, rc, n0 + 16 * r + gq + 8, acc[a][2 + tk], nb[r][2 + tk], dl[r][2 + tk],
                                   dn[r][2 + tk]);
         }
       }

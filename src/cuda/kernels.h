@@ -84,6 +84,8 @@ struct LoraExpandParams {
 // token_slot[t] (out-of-range or empty: -1 and error flag 3), then
 //   t1[t*k + j][i] = bf16(x_t . A1_e[i])  for each local slot j (a_shared: once, in row t*k),
 //   st1[t][i]      = bf16(x_t . sA1[i])   when the call has a shared expert.
+// The per-token and per-row shrinks' items: this many rank rows of one A each (lora.cu one_row_lane).
+constexpr int kLoraRowsPerItem = 4;
 struct LoraShrink1Params {
   const LoraSlot* table = nullptr;
   int num_slots = 0;

@@ -4,7 +4,7 @@
 //
 // Every shrink output t = bf16(in . A[i]) has one order, on the tensor cores, in every kernel here: K is cut into
 // chunks of kKChunk (the GEMMs' chunks); a chunk's sum is one chain of m16n8k16 steps from +0 (A rows as the mma A
-// operand, 16 rank rows a block; the input rows as B, 8 a group), and t is bf16 of the chunk sums added in chunk
+// operand, up to 16 rank rows; the input rows as B, 8 a group), and t is bf16 of the chunk sums added in chunk
 // order. Each step takes 32 k in pairs of steps: lane t's 8 consecutive k of the pair (one 16-byte load of each
 // row) feed step one with their first four and step two with their last four (the same k on both operands; past
 // K zeros). An output depends on its own A row and input row only, not on which rows share its mma, so the
@@ -46,7 +46,7 @@ __device__ __forceinline__ uint4 load16(const uint16_t* p, bool ok) {
 // (rank g, row 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1) of group j. U pairs of steps' loads in flight.
 template <int NG>
 __device__ __forceinline__ void shrink_chunk(float (&d)[NG][4], const ShrinkLane<NG>& L, int kb, int ke, int t) {
-  constexpr int U = NG >= 4 ? 2 : 4;
+  constexpr int U = NG >= 4 ? 2 : 8;
 #pragma unroll
   for (int j = 0; j < NG; ++j) d[j][0] = d[j][1] = d[j][2] = d[j][3] = 0.f;
   for (int k0 = kb; k0 < ke; k0 += 32 * U) {
@@ -123,32 +123,33 @@ __device__ __forceinline__ void block_shrink(int items, int K, float4 (*part)[32
   }
 }
 
-// One input row (NG = 1, column 0 of the mma; lanes of the other columns load nothing) against 16 rows of A from
-// rank row i0 (rank r, row length K).
+// The per-token and per-row kernels' items: kRowsPerItem rank rows of A from i0 against one input row (NG = 1,
+// column 0 of the mma; lanes of other rows and columns load nothing). A decode token's shrink is latency- and
+// per-SM-bandwidth-bound: 16 rank rows an item put 229 KB of A1 (kimi_k3_tp8) on each of nine SMs, 9.4 us against
+// 6.2 for the CUDA-core kernel (ncu, T=1); four spread it over 36 blocks.
+constexpr int kRowsPerItem = kLoraRowsPerItem;
 __device__ __forceinline__ ShrinkLane<1> one_row_lane(const uint16_t* in, const uint16_t* A, int r, int i0, int K) {
   const int gq = (threadIdx.x & 31) >> 2;
   ShrinkLane<1> L;
-  if (i0 + gq < r) L.a0 = A + static_cast<int64_t>(i0 + gq) * K;
-  if (i0 + gq + 8 < r) L.a1 = A + static_cast<int64_t>(i0 + gq + 8) * K;
+  if (gq < kRowsPerItem && i0 + gq < r) L.a0 = A + static_cast<int64_t>(i0 + gq) * K;
   if (gq == 0) L.x[0] = in;
   return L;
 }
-// Stores an item of one_row_lane: rank rows i0 + g and i0 + g + 8 of column 0 (lanes t = 0).
+// Stores an item of one_row_lane: rank row i0 + g of column 0 (lanes t = 0).
 __device__ __forceinline__ void store_one_row(const float (&s)[1][4], float* dst, int r, int i0) {
   const int lane = threadIdx.x & 31, gq = lane >> 2;
-  if ((lane & 3) != 0) return;
-  if (i0 + gq < r) dst[i0 + gq] = dev::round_to_bf16(s[0][0]);
-  if (i0 + gq + 8 < r) dst[i0 + gq + 8] = dev::round_to_bf16(s[0][2]);
+  if ((lane & 3) == 0 && gq < kRowsPerItem && i0 + gq < r) dst[i0 + gq] = dev::round_to_bf16(s[0][0]);
 }
+__host__ __device__ constexpr int row_items(int r) { return (r + kRowsPerItem - 1) / kRowsPerItem; }
 
-// One shrink1 item: 16 rank rows of one A against the token's x.
+// One shrink1 item: kRowsPerItem rank rows of one A against the token's x.
 struct Shrink1Item {
   const uint16_t* A = nullptr;
   float* dst = nullptr;
   int r = 0, i0 = 0;
 };
 
-// Block (token t, item y): the token's items are its routed entries' A1 (entry j, in 16-row blocks; one row t*k
+// Block (token t, item y): the token's items are its routed entries' A1 (entry j, in kRowsPerItem-row blocks; one row t*k
 // for a shared A1) then the shared expert's. Block y = 0 of each token also resolves and publishes its slot.
 __global__ void lora_shrink1_kernel(LoraShrink1Params p) {
   __shared__ float4 part[kUnits][32][1];
@@ -166,9 +167,9 @@ __global__ void lora_shrink1_kernel(LoraShrink1Params p) {
     if (slot >= 0) {
       const LoraProj gu = p.table[slot].proj[kLoraGateUp];
       const LoraProj sg = p.shared_expert ? p.table[slot].proj[kLoraSharedGateUp] : LoraProj{};
-      const int mb_gu = (gu.r + 15) / 16;
+      const int mb_gu = row_items(gu.r);
       const int n_routed = gu.r > 0 && (gu.a_shared || !p.routed_in_tiles) ? (gu.a_shared ? 1 : p.k) * mb_gu : 0;
-      const int n_shared = sg.r > 0 ? (sg.r + 15) / 16 : 0;
+      const int n_shared = sg.r > 0 ? row_items(sg.r) : 0;
       if (y < n_routed) {
         const int j = y / mb_gu, entry = t * p.k + j;
         int e = 0;
@@ -177,13 +178,13 @@ __global__ void lora_shrink1_kernel(LoraShrink1Params p) {
           it.A = gu.A + static_cast<int64_t>(e) * gu.r * p.H;
           it.dst = p.t1 + static_cast<int64_t>(entry) * p.t1_stride;
           it.r = gu.r;
-          it.i0 = (y % mb_gu) * 16;
+          it.i0 = (y % mb_gu) * kRowsPerItem;
         }
       } else if (y < n_routed + n_shared) {
         it.A = sg.A;
         it.dst = p.st1 + static_cast<int64_t>(t) * p.st_stride;
         it.r = sg.r;
-        it.i0 = (y - n_routed) * 16;
+        it.i0 = (y - n_routed) * kRowsPerItem;
       }
     }
     s_item = it;
@@ -285,7 +286,7 @@ __global__ void lora_shrink_tiled_kernel(LoraTiledShrinkParams p) {
       });
 }
 
-// Block per row: the row's items are 16-row blocks of its adapter's A (routed: A2 of the row's expert).
+// Block per row: the row's items are kRowsPerItem-row blocks of its adapter's A (routed: A2 of the row's expert).
 __global__ void lora_shrink2_kernel(LoraShrink2Params p) {
   __shared__ float4 part[kUnits][32][1];
   const int row = static_cast<int>(blockIdx.x);
@@ -304,8 +305,8 @@ __global__ void lora_shrink2_kernel(LoraShrink2Params p) {
   const uint16_t* A = pj.A + static_cast<int64_t>(pj.a_shared ? 0 : e) * pj.r * p.K;
   float* dst = p.t + static_cast<int64_t>(entry) * p.t_stride;
   block_shrink<1>(
-      (pj.r + 15) / 16, p.K, part, [&](int m) { return one_row_lane(a, A, pj.r, 16 * m, p.K); },
-      [&](int m, const float (&s)[1][4]) { store_one_row(s, dst, pj.r, 16 * m); });
+      row_items(pj.r), p.K, part, [&](int m) { return one_row_lane(a, A, pj.r, kRowsPerItem * m, p.K); },
+      [&](int m, const float (&s)[1][4]) { store_one_row(s, dst, pj.r, kRowsPerItem * m); });
 }
 
 }  // namespace
