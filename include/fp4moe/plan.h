@@ -117,7 +117,9 @@ struct MoePlan {
   int64_t lora_rank = 0;          // R: max_lora_rank resolved (0 without LoRA)
   int64_t lora_r1_stride = 0;     // 2R: row stride (elements) of lora_t1
   int64_t lora_r2_stride = 0;     // R: row stride of lora_t2, lora_shared_t1, lora_shared_t2
-  int lora_shrink1_threads = 0;   // shrink of x: blocks (token, 16 rank rows), a warp per K chunk
+  int lora_shrink1_threads = 0;   // shrink of x: blocks (token, item), warps over the item's K chunks
+  int lora_shrink1_rows_per_item = 16;  // rank rows of one A an item (4, 8 or 16), and of a row's shrink2 item:
+  int lora_shrink2_rows_per_item = 16;  // fewer spread a few tokens' A rows over more SMs (src/cuda/lora.cu)
   bool lora_shrink_tiled = false;  // the routed shrinks (of x and of a) per GEMM1 row tile, with many rows an expert
                                    // and many tiles (plan.cpp): one read of an adapter's A rows serves the tile's run
                                    // of rows with that adapter

@@ -464,7 +464,7 @@ void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& a
   // Registry LoRA: every loaded adapter must fit this layer (and the call's shared expert); the largest
   // rank sizes the LoRA workspace. An empty registry still runs the LoRA path (ids other than -1 flagged).
   const bool lora = adapters != nullptr;
-  int64_t max_rank = 1, max_shrink1_items = 1, max_untiled_shrink1_items = 1;
+  int64_t max_rank = 1;
   if (lora) {
     if (!args.adapter_ids.present()) throw Error(ErrorCode::InvalidArgument, "adapter_ids", "required with adapters");
     if (!aligned(args.adapter_ids.data, 4)) throw Error(ErrorCode::InvalidArgument, "adapter_ids", "must be 4-byte aligned");
@@ -480,12 +480,6 @@ void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& a
       if (sw && a->has_shared && (a->s_I != sw->I || a->s_N1 != sw->N1))
         throw Error(ErrorCode::InvalidArgument, "adapters", slot + ": its shared-expert LoRA does not match the shared expert");
       max_rank = std::max(max_rank, a->rank);
-      // lora_shrink1_kernel's items: kLoraRowsPerItem rank rows of one A each.
-      const int64_t routed = a->has_gate_up ? (a->a1_shared ? 1 : args.routing.top_k) *
-                                                   ((a->r1 + kLoraRowsPerItem - 1) / kLoraRowsPerItem) : 0;
-      const int64_t shared = sw && a->has_shared && a->s_has_gate_up ? (a->s_r + kLoraRowsPerItem - 1) / kLoraRowsPerItem : 0;
-      max_shrink1_items = std::max(max_shrink1_items, routed + shared);
-      max_untiled_shrink1_items = std::max(max_untiled_shrink1_items, (a->a1_shared ? routed : 0) + shared);
     }
   }
 
@@ -655,7 +649,18 @@ void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& a
       lp.local_offset = static_cast<int>(args.local_expert_offset);
       lp.shared_expert = sw != nullptr;
       lp.routed_in_tiles = plan.lora_shrink_tiled;
-      lp.max_items = static_cast<int>(lp.routed_in_tiles ? max_untiled_shrink1_items : max_shrink1_items);
+      lp.rows_per_item = plan.lora_shrink1_rows_per_item;
+      // The grid's items a token: the most over the loaded slots, at least one (block 0 publishes the slot).
+      const auto items = [&](int64_t r) { return (r + lp.rows_per_item - 1) / lp.rows_per_item; };
+      int64_t max_items = 1;
+      for (const auto& a : *adapters) {
+        if (!a) continue;
+        const int64_t routed = a->has_gate_up && (a->a1_shared || !lp.routed_in_tiles)
+                                   ? (a->a1_shared ? 1 : args.routing.top_k) * items(a->r1) : 0;
+        const int64_t shared = sw && a->has_shared && a->s_has_gate_up ? items(a->s_r) : 0;
+        max_items = std::max(max_items, routed + shared);
+      }
+      lp.max_items = static_cast<int>(max_items);
       lp.token_slot = lora_slot;
       lp.t1 = lora_t1;
       lp.t1_stride = static_cast<int>(plan.lora_r1_stride);
@@ -759,6 +764,7 @@ void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& a
       lp.which = which;
       lp.t = t;
       lp.t_stride = static_cast<int>(plan.lora_r2_stride);
+      lp.rows_per_item = plan.lora_shrink2_rows_per_item;
       launch_lora_shrink2(lp, plan.lora_shrink2_threads, stream);
     };
     if (lora && plan.lora_shrink_tiled) shrink_tiled(act_buf, false, I, kLoraDown, lora_t2, plan.lora_r2_stride);

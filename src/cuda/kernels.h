@@ -84,8 +84,6 @@ struct LoraExpandParams {
 // token_slot[t] (out-of-range or empty: -1 and error flag 3), then
 //   t1[t*k + j][i] = bf16(x_t . A1_e[i])  for each local slot j (a_shared: once, in row t*k),
 //   st1[t][i]      = bf16(x_t . sA1[i])   when the call has a shared expert.
-// The per-token and per-row shrinks' items: this many rank rows of one A each (lora.cu one_row_lane).
-constexpr int kLoraRowsPerItem = 4;
 struct LoraShrink1Params {
   const LoraSlot* table = nullptr;
   int num_slots = 0;
@@ -94,6 +92,7 @@ struct LoraShrink1Params {
   const uint16_t* x = nullptr;           // bf16 [T, H] (chunk-offset), the un-quantized x in A4 too
   int T = 0, k = 0, H = 0, E_loc = 0, local_offset = 0;
   bool shared_expert = false;
+  int rows_per_item = 16;                // rank rows of one A an item: 4, 8 or 16 (plan.lora_shrink1_rows_per_item)
   int max_items = 1;                     // the most items a token has over the loaded slots (grid size, >= 1: block 0
                                          // of every token publishes its slot)
   int32_t* token_slot = nullptr;
@@ -141,6 +140,7 @@ struct LoraShrink2Params {
   int which = kLoraDown;
   float* t = nullptr;
   int t_stride = 0;
+  int rows_per_item = 16;                // rank rows of one A an item: 4, 8 or 16 (plan.lora_shrink2_rows_per_item)
 };
 
 // ---- kernel parameter blocks --------------------------------------------------------------------

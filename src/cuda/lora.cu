@@ -123,33 +123,35 @@ __device__ __forceinline__ void block_shrink(int items, int K, float4 (*part)[32
   }
 }
 
-// The per-token and per-row kernels' items: kRowsPerItem rank rows of A from i0 against one input row (NG = 1,
-// column 0 of the mma; lanes of other rows and columns load nothing). A decode token's shrink is latency- and
-// per-SM-bandwidth-bound: 16 rank rows an item put 229 KB of A1 (kimi_k3_tp8) on each of nine SMs, 9.4 us against
-// 6.2 for the CUDA-core kernel (ncu, T=1); four spread it over 36 blocks.
-constexpr int kRowsPerItem = kLoraRowsPerItem;
-__device__ __forceinline__ ShrinkLane<1> one_row_lane(const uint16_t* in, const uint16_t* A, int r, int i0, int K) {
+// The per-token and per-row kernels' items: rpi (4, 8 or 16) rank rows of A from i0 against one input row (NG = 1,
+// column 0 of the mma; lanes of other rows and columns load nothing). The plan takes fewer rows an item for a few
+// tokens (plan.lora_shrink1_rows_per_item): a decode token's shrink is latency- and per-SM-bandwidth-bound, and 16
+// rows an item put 229 KB of A1 (kimi_k3_tp8) on each of nine SMs (shrink1 at T=1 6.2 -> 9.4 us, ncu, r4).
+__device__ __forceinline__ ShrinkLane<1> one_row_lane(const uint16_t* in, const uint16_t* A, int r, int i0, int K,
+                                                      int rpi) {
   const int gq = (threadIdx.x & 31) >> 2;
   ShrinkLane<1> L;
-  if (gq < kRowsPerItem && i0 + gq < r) L.a0 = A + static_cast<int64_t>(i0 + gq) * K;
+  if (gq < rpi && i0 + gq < r) L.a0 = A + static_cast<int64_t>(i0 + gq) * K;
+  if (gq + 8 < rpi && i0 + gq + 8 < r) L.a1 = A + static_cast<int64_t>(i0 + gq + 8) * K;
   if (gq == 0) L.x[0] = in;
   return L;
 }
-// Stores an item of one_row_lane: rank row i0 + g of column 0 (lanes t = 0).
-__device__ __forceinline__ void store_one_row(const float (&s)[1][4], float* dst, int r, int i0) {
+// Stores an item of one_row_lane: rank rows i0 + g and i0 + g + 8 of column 0 (lanes t = 0).
+__device__ __forceinline__ void store_one_row(const float (&s)[1][4], float* dst, int r, int i0, int rpi) {
   const int lane = threadIdx.x & 31, gq = lane >> 2;
-  if ((lane & 3) == 0 && gq < kRowsPerItem && i0 + gq < r) dst[i0 + gq] = dev::round_to_bf16(s[0][0]);
+  if ((lane & 3) != 0) return;
+  if (gq < rpi && i0 + gq < r) dst[i0 + gq] = dev::round_to_bf16(s[0][0]);
+  if (gq + 8 < rpi && i0 + gq + 8 < r) dst[i0 + gq + 8] = dev::round_to_bf16(s[0][2]);
 }
-__host__ __device__ constexpr int row_items(int r) { return (r + kRowsPerItem - 1) / kRowsPerItem; }
 
-// One shrink1 item: kRowsPerItem rank rows of one A against the token's x.
+// One shrink1 item: rows_per_item rank rows of one A against the token's x.
 struct Shrink1Item {
   const uint16_t* A = nullptr;
   float* dst = nullptr;
   int r = 0, i0 = 0;
 };
 
-// Block (token t, item y): the token's items are its routed entries' A1 (entry j, in kRowsPerItem-row blocks; one row t*k
+// Block (token t, item y): the token's items are its routed entries' A1 (entry j, in rows_per_item-row blocks; one row t*k
 // for a shared A1) then the shared expert's. Block y = 0 of each token also resolves and publishes its slot.
 __global__ void lora_shrink1_kernel(LoraShrink1Params p) {
   __shared__ float4 part[kUnits][32][1];
@@ -167,9 +169,9 @@ __global__ void lora_shrink1_kernel(LoraShrink1Params p) {
     if (slot >= 0) {
       const LoraProj gu = p.table[slot].proj[kLoraGateUp];
       const LoraProj sg = p.shared_expert ? p.table[slot].proj[kLoraSharedGateUp] : LoraProj{};
-      const int mb_gu = row_items(gu.r);
+      const int rpi = p.rows_per_item, mb_gu = (gu.r + rpi - 1) / rpi;
       const int n_routed = gu.r > 0 && (gu.a_shared || !p.routed_in_tiles) ? (gu.a_shared ? 1 : p.k) * mb_gu : 0;
-      const int n_shared = sg.r > 0 ? row_items(sg.r) : 0;
+      const int n_shared = sg.r > 0 ? (sg.r + rpi - 1) / rpi : 0;
       if (y < n_routed) {
         const int j = y / mb_gu, entry = t * p.k + j;
         int e = 0;
@@ -178,13 +180,13 @@ __global__ void lora_shrink1_kernel(LoraShrink1Params p) {
           it.A = gu.A + static_cast<int64_t>(e) * gu.r * p.H;
           it.dst = p.t1 + static_cast<int64_t>(entry) * p.t1_stride;
           it.r = gu.r;
-          it.i0 = (y % mb_gu) * kRowsPerItem;
+          it.i0 = (y % mb_gu) * rpi;
         }
       } else if (y < n_routed + n_shared) {
         it.A = sg.A;
         it.dst = p.st1 + static_cast<int64_t>(t) * p.st_stride;
         it.r = sg.r;
-        it.i0 = (y - n_routed) * kRowsPerItem;
+        it.i0 = (y - n_routed) * rpi;
       }
     }
     s_item = it;
@@ -194,8 +196,8 @@ __global__ void lora_shrink1_kernel(LoraShrink1Params p) {
   if (!it.A) return;  // block-uniform
   const uint16_t* x = p.x + static_cast<int64_t>(t) * p.H;
   block_shrink<1>(
-      1, p.H, part, [&](int) { return one_row_lane(x, it.A, it.r, it.i0, p.H); },
-      [&](int, const float (&s)[1][4]) { store_one_row(s, it.dst, it.r, it.i0); });
+      1, p.H, part, [&](int) { return one_row_lane(x, it.A, it.r, it.i0, p.H, p.rows_per_item); },
+      [&](int, const float (&s)[1][4]) { store_one_row(s, it.dst, it.r, it.i0, p.rows_per_item); });
 }
 
 // The tiled shrink's runs: up to kRunRows rows of one adapter (4 groups of 8 in one item's mma B operand).
@@ -286,7 +288,7 @@ __global__ void lora_shrink_tiled_kernel(LoraTiledShrinkParams p) {
       });
 }
 
-// Block per row: the row's items are kRowsPerItem-row blocks of its adapter's A (routed: A2 of the row's expert).
+// Block per row: the row's items are rows_per_item-row blocks of its adapter's A (routed: A2 of the row's expert).
 __global__ void lora_shrink2_kernel(LoraShrink2Params p) {
   __shared__ float4 part[kUnits][32][1];
   const int row = static_cast<int>(blockIdx.x);
@@ -304,9 +306,10 @@ __global__ void lora_shrink2_kernel(LoraShrink2Params p) {
   const uint16_t* a = p.a + static_cast<int64_t>(row) * p.K;
   const uint16_t* A = pj.A + static_cast<int64_t>(pj.a_shared ? 0 : e) * pj.r * p.K;
   float* dst = p.t + static_cast<int64_t>(entry) * p.t_stride;
+  const int rpi = p.rows_per_item;
   block_shrink<1>(
-      row_items(pj.r), p.K, part, [&](int m) { return one_row_lane(a, A, pj.r, kRowsPerItem * m, p.K); },
-      [&](int m, const float (&s)[1][4]) { store_one_row(s, dst, pj.r, kRowsPerItem * m); });
+      (pj.r + rpi - 1) / rpi, p.K, part, [&](int m) { return one_row_lane(a, A, pj.r, rpi * m, p.K, rpi); },
+      [&](int m, const float (&s)[1][4]) { store_one_row(s, dst, pj.r, rpi * m, rpi); });
 }
 
 }  // namespace
