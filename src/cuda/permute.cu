@@ -140,14 +140,21 @@ __global__ void __launch_bounds__(kScanThreads) scan_kernel(PermuteParams p) {
   __shared__ int offs[4097];   // expert row offsets (exclusive), then the total
   __shared__ int toffs[4097];  // expert tile offsets
   const int E = p.E_loc;
-  // Per expert: exclusive prefix over blocks (in place), total rows.
+  // Per expert: exclusive prefix over blocks (in place), total rows. Eight blocks' counts are loaded before any is
+  // overwritten: one load at a time (a store between) took kimi_k3_tp8 T=4096's 1024 blocks 35 us (ncu).
+  constexpr int U = 8;
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
     int run = 0;
-    for (int b = 0; b < p.num_blocks; ++b) {
-      int32_t* c = p.block_counts + static_cast<int64_t>(b) * E + e;
-      const int v = *c;
-      *c = run;
-      run += v;
+    int32_t* c = p.block_counts + e;
+    for (int b0 = 0; b0 < p.num_blocks; b0 += U) {
+      int v[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) v[u] = b0 + u < p.num_blocks ? c[static_cast<int64_t>(b0 + u) * E] : 0;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (b0 + u < p.num_blocks) c[static_cast<int64_t>(b0 + u) * E] = run;
+        run += v[u];
+      }
     }
     offs[e] = run;
   }

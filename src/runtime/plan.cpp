@@ -5,8 +5,6 @@
 #include "runtime/host_tensor.h"
 
 #include <algorithm>
-#include <cstdio>
-#include <cstdlib>
 #include <string>
 
 namespace fp4moe {
@@ -225,14 +223,6 @@ MoePlan make_plan(const ProblemShape& shape) {
     p.lora_shrink1_rows_per_item = few ? 4 : 16;
     p.lora_shrink2_rows_per_item = few ? 4 : 16;
     p.lora_shrink1_threads = few ? static_cast<int>(32 * std::clamp<int64_t>(ceil_div(s.H, kKChunk), 4, 16)) : 128;
-    if (const char* dev = std::getenv("FP4MOE_DEV_LORA_SHRINK")) {  // TEMPORARY (session 9 measurement): rpi1,thr1,rpi2
-      int a = 0, b = 0, c = 0;
-      if (std::sscanf(dev, "%d,%d,%d", &a, &b, &c) == 3) {
-        p.lora_shrink1_rows_per_item = a;
-        p.lora_shrink1_threads = b;
-        p.lora_shrink2_rows_per_item = c;
-      }
-    }
     // The tiled routed shrinks where they measured faster (H200, eight rank-16 adapters, final-5 against final-4):
     // at least 20 rows an expert and 300 row tiles expected, counting only this rank's share of the rows under EP.
     // Few tiles leave too few warps for the tiled kernel: mixtral_8x7b T=256 (16 tiles) +17 %, deepseek_v3_ep8

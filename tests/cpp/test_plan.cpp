@@ -180,6 +180,9 @@ void check_plan(const ProblemShape& s, std::mt19937_64& rng) {
     EXPECT_GE(p.lora_shrink2_threads, 32);
     EXPECT_LE(p.lora_shrink1_threads, 1024);
     EXPECT_LE(p.lora_shrink2_threads, 1024);
+    // An item's rank rows fill one mma A operand's rows g (< 8) and g + 8 (src/cuda/lora.cu one_row_lane).
+    for (int rpi : {p.lora_shrink1_rows_per_item, p.lora_shrink2_rows_per_item})
+      EXPECT_TRUE(rpi == 4 || rpi == 8 || rpi == 16) << rpi;
     // The tiled routed shrinks (one A read per run of rows with one adapter): 20 local rows an expert, 300 tiles.
     const int64_t E_total = s.E_total == 0 ? s.E_loc : s.E_total, local = cdiv(p.rows * s.E_loc, E_total);
     EXPECT_EQ(p.lora_shrink_tiled, cdiv(local, s.E_loc) >= 20 && cdiv(local, p.gemm.bm) + s.E_loc >= 300);
