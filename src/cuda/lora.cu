@@ -12,6 +12,7 @@
 // tokens or on their adapters. (Version 8's order, a warp's lanes over 8-element chunks with fp32 FMA then a
 // butterfly, ran on the CUDA cores: kimi_k3_tp8 T=4096's tiled shrink of x was 534 us, issue-bound, ncu.)
 #include <algorithm>
+#include <string>
 
 #include "cuda/kernels.h"
 #include "cuda/mma.cuh"
@@ -317,7 +318,9 @@ __global__ void lora_shrink2_kernel(LoraShrink2Params p) {
 void launch_lora_shrink1(const LoraShrink1Params& p, int threads, cudaStream_t stream) {
   if (p.T <= 0) return;
   lora_shrink1_kernel<<<dim3(static_cast<unsigned>(p.T), static_cast<unsigned>(p.max_items)), threads, 0, stream>>>(p);
-  check_launch("lora_shrink1_kernel");
+  const std::string what = "lora_shrink1_kernel (grid " + std::to_string(p.T) + " x " + std::to_string(p.max_items) +
+                           ", " + std::to_string(threads) + " threads)";
+  check_launch(what.c_str());
 }
 
 void launch_lora_shrink_tiled(const LoraTiledShrinkParams& p, cudaStream_t stream) {
