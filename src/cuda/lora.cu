@@ -154,7 +154,9 @@ struct Shrink1Item {
 
 // Block (token t, item y): the token's items are its routed entries' A1 (entry j, in rows_per_item-row blocks; one row t*k
 // for a shared A1) then the shared expert's. Block y = 0 of each token also resolves and publishes its slot.
-__global__ void lora_shrink1_kernel(LoraShrink1Params p) {
+// Up to 512 threads (plan.lora_shrink1_threads: a warp a K chunk, at most 16): left to itself ptxas took 134
+// registers, and 448-thread launches failed on the H200 (cudaErrorLaunchOutOfResources, deepseek_v3_ep8).
+__global__ void __launch_bounds__(512) lora_shrink1_kernel(LoraShrink1Params p) {
   __shared__ float4 part[kUnits][32][1];
   __shared__ Shrink1Item s_item;
   const int t = static_cast<int>(blockIdx.x), y = static_cast<int>(blockIdx.y);
@@ -210,7 +212,7 @@ constexpr int kTiledBlocks = 4;  // blocks a tile (the tile's items are dealt ou
 // A_{slot,e}: an item is (run, 16 rank rows), and one read of its A rows serves the run's rows. (The per-token
 // kernel reads A1 once per (token, slot) entry: kimi_k3_tp8 T=1024 with eight rank-16 adapters touched 940 MB of
 // A1 rows for 352 MB of distinct ones.)
-__global__ void lora_shrink_tiled_kernel(LoraTiledShrinkParams p) {
+__global__ void __launch_bounds__(128) lora_shrink_tiled_kernel(LoraTiledShrinkParams p) {
   __shared__ float4 part[kUnits][32][kRunGroups];
   __shared__ int s_entry[kMaxTileRows], s_slot[kMaxTileRows], s_run0[kMaxTileRows + 1], s_item0[kMaxTileRows + 1];
   __shared__ LoraProj s_proj[kMaxTileRows];
