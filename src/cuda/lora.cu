@@ -292,7 +292,7 @@ __global__ void __launch_bounds__(128) lora_shrink_tiled_kernel(LoraTiledShrinkP
 }
 
 // Block per row: the row's items are rows_per_item-row blocks of its adapter's A (routed: A2 of the row's expert).
-__global__ void lora_shrink2_kernel(LoraShrink2Params p) {
+__global__ void __launch_bounds__(512) lora_shrink2_kernel(LoraShrink2Params p) {  // up to 16 warps (plan)
   __shared__ float4 part[kUnits][32][1];
   const int row = static_cast<int>(blockIdx.x);
   if (p.row_count && row >= *p.row_count) return;  // rows the permutation did not fill

@@ -219,17 +219,22 @@ MoePlan make_plan(const ProblemShape& shape) {
     // The per-token / per-row shrinks (src/cuda/lora.cu): with few entries (decode) an item of 4 rank rows and a
     // warp a K chunk of H (4..16 warps), spreading a token's A rows over many SMs; with more, 16 rows an item (one
     // read of x serves 16 A rows, fewer blocks) and 4 warps a block.
+    // A decode row's shrink2 (K = I) likewise: 4 rank rows an item while I has few chunks, else 16 (mixtral_8x7b's
+    // I = 14336, 28 chunks, in four 4-row items on four warps made its T=1 LoRA 133 -> 179 us, closing run), and a
+    // warp a (chunk, item) unit, 4..16 warps.
     const bool few = p.rows <= 64;
+    const int64_t chunks2 = ceil_div(s.I, kKChunk);
     p.lora_shrink1_rows_per_item = few ? 4 : 16;
-    p.lora_shrink2_rows_per_item = few ? 4 : 16;
+    p.lora_shrink2_rows_per_item = few && chunks2 < 4 ? 4 : 16;
     p.lora_shrink1_threads = few ? static_cast<int>(32 * std::clamp<int64_t>(ceil_div(s.H, kKChunk), 4, 16)) : 128;
+    p.lora_shrink2_threads =
+        few ? static_cast<int>(32 * std::clamp<int64_t>(chunks2 * (16 / p.lora_shrink2_rows_per_item), 4, 16)) : 128;
     // The tiled routed shrinks where they measured faster (H200, eight rank-16 adapters, final-5 against final-4):
     // at least 20 rows an expert and 300 row tiles expected, counting only this rank's share of the rows under EP.
     // Few tiles leave too few warps for the tiled kernel: mixtral_8x7b T=256 (16 tiles) +17 %, deepseek_v3_ep8
     // (local rows = T) +4..+7 %; with many, kimi_k3_tp8 T=1024..16384 -5..-9 %, qwen3 T=4096+ -5 %.
     const int64_t local_rows = ceil_div(p.rows * s.E_loc, s.E_total);
     p.lora_shrink_tiled = ceil_div(local_rows, s.E_loc) >= 20 && ceil_div(local_rows, g.bm) + s.E_loc >= 300;
-    p.lora_shrink2_threads = 128;
     p.lora_slot = L.take(Tc * 4);
     p.lora_t1 = L.take(R * p.lora_r1_stride * 4);
     p.lora_t2 = L.take(R * p.lora_r2_stride * 4);
