@@ -253,6 +253,20 @@ TEST(GpuLora, NonGatedRelu2) {
   layouts_case(c, "qwen Relu2 (non-gated) A16");
 }
 
+// Mixtral's I = 14336: the shrink of a (K = I) has 28 chunks of kKChunk, more than one round of the shrink
+// kernels' partial sums (src/cuda/lora.cu block_shrink carries the sum across rounds). Written in session 9 after
+// its device time ran out: first run in the next session.
+TEST(GpuLora, MixtralLongKShrink) {
+  FP4MOE_SKIP_WITHOUT_GPU();
+  Case c;
+  c.shape = model("mixtral_8x7b");
+  c.E_loc = c.E_total = 4;
+  c.T = 10;
+  c.check_tokens = 10;
+  c.seed = 35;
+  layouts_case(c, "mixtral-like I=14336 A16");
+}
+
 // ---- Kimi shape with a shared expert carrying its own LoRA, SiTU, A16 and A4 ------------------------------
 void kimi_shared_case(ActMode mode, const char* label) {
   Case c;
