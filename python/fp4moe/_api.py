@@ -367,13 +367,15 @@ def moe(x, weights: MoeWeights, *, routing_logits=None, routing_bias=None, topk_
         per_token_x_scale: bool = False, shared_expert: MoeWeights | None = None, shared_alpha=None,
         shared_beta=None, shared_clamp_limit=None, adapters: AdapterRegistry | None = None, adapter_ids=None,
         gate_up_lora_delta=None, activation_out=None, out=None, workspace=None, stream=None,
-        precision="fp32", num_threads: int = 0, _runner=None):
+        precision="fp32", num_threads: int = 0, gemm_tile: int = -1, _runner=None):
     """The fused MoE layer (SPEC §3): y [T, H] bfloat16 = Σ_j w_tj · expert_e(x_t) (+ shared expert).
 
     Routing from routing_logits [T, E] (+ routing_bias [E]) or precomputed topk_ids int32 [T, k] and
     topk_weights float32 [T, k]. Per-expert activation parameters gemm1_alpha/beta/clamp_limit (float32
     [E_loc], or a scalar for all experts), in real units. Returns `out` when given, else a new tensor in
-    x's framework (NumPy for host arrays, PyTorch for torch tensors).
+    x's framework (NumPy for host arrays, PyTorch for torch tensors). gemm_tile forces one of the CUDA
+    backend's GEMM tiles (an index into plan.h's kGemmConfigs; -1, the default: the plan's choice) for
+    benchmarking; every tile gives the same bits (SPEC §4), so it never changes the output.
     """
     if not isinstance(weights, MoeWeights):
         raise error("weights", f"expected fp4moe.MoeWeights (from prepare_weights), got {type(weights).__name__}")
@@ -420,7 +422,7 @@ def moe(x, weights: MoeWeights, *, routing_logits=None, routing_bias=None, topk_
                0.0 if shared_beta is None else float(shared_beta),
                _clamp_value(shared_clamp_limit), shared_given,
                None if adapters is None else adapters.native,
-               _stream_of(stream, x, dev), int(prec), int(num_threads))
+               _stream_of(stream, x, dev), int(prec), int(num_threads), int(gemm_tile))
     return out
 
 

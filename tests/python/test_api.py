@@ -405,6 +405,25 @@ def test_moe_is_deterministic_and_batch_invariant():
     assert y1[2:3].view(np.uint16).tobytes() == y3.view(np.uint16).tobytes()
 
 
+def test_gemm_tile_argument():
+    # gemm_tile (the CUDA plan's tile, forced) never changes the bits; out of range it is refused by name, on the
+    # CPU backend too, and the output is left untouched.
+    rng = np.random.default_rng(10)
+    q = quantized(rng, E, H, I)
+    w = fp4moe.prepare_weights(**q, gate_up_order="gate_first", activation="swiglu")
+    x = rand_x(rng, T, H)
+    logits = rng.standard_normal((T, E)).astype(np.float32)
+    kw = dict(routing_logits=logits, top_k=K, routing_method="Renormalize")
+    y = fp4moe.moe(x, w, **kw)
+    for tile in (0, 1, 2):
+        assert fp4moe.moe(x, w, gemm_tile=tile, **kw).view(np.uint16).tobytes() == y.view(np.uint16).tobytes()
+    sentinel = np.full((T, H), 7.0, dtype=BF16)
+    for bad in (-2, 99):
+        with pytest.raises(fp4moe.Fp4MoeError, match="gemm_tile"):
+            fp4moe.moe(x, w, gemm_tile=bad, out=sentinel, **kw)
+    assert np.all(sentinel.astype(np.float32) == 7.0)
+
+
 def test_shared_expert():
     rng = np.random.default_rng(21)
     q = quantized(rng, E, H, I)
