@@ -123,7 +123,7 @@ struct MoePlan {
   bool lora_shrink_tiled = false;  // the routed shrinks (of x and of a) per GEMM1 row tile, with many rows an expert
                                    // and many tiles (plan.cpp): one read of an adapter's A rows serves the tile's run
                                    // of rows with that adapter
-  int lora_shrink2_threads = 0;   // shrink of a: one block per GEMM1 output row
+  int lora_shrink2_threads = 0;   // shrink of a: one block per GEMM1 output row, warps over its (chunk, item) units
   WorkspaceBuffer lora_slot;      // i32 [chunk]: each token's checked adapter slot (-1 = base or dropped)
   WorkspaceBuffer lora_t1;        // f32 [rows, 2R] by entry t*k + j (SharedOuter: row t*k for the token)
   WorkspaceBuffer lora_t2;        // f32 [rows, R] by entry

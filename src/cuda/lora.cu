@@ -5,9 +5,9 @@
 // Every shrink output t = bf16(in . A[i]) has one order, on the tensor cores, in every kernel here: K is cut into
 // chunks of kKChunk (the GEMMs' chunks); a chunk's sum is one chain of m16n8k16 steps from +0 (A rows as the mma A
 // operand, up to 16 rank rows; the input rows as B, 8 a group), and t is bf16 of the chunk sums added in chunk
-// order. Each step takes 32 k in pairs of steps: lane t's 8 consecutive k of the pair (one 16-byte load of each
-// row) feed step one with their first four and step two with their last four (the same k on both operands; past
-// K zeros). An output depends on its own A row and input row only, not on which rows share its mma, so the
+// order. The steps go in pairs over 32 k: lane t's 8 consecutive k of a pair (one 16-byte load of each row) feed
+// the first step with their first four and the second with their last four (the same k on both operands; past K
+// zeros). An output depends on its own A row and input row only, not on which rows share its mma, so the
 // per-token, per-row and tiled kernels give the same bits (tested), and a token's bits never depend on the other
 // tokens or on their adapters. (Version 8's order, a warp's lanes over 8-element chunks with fp32 FMA then a
 // butterfly, ran on the CUDA cores: kimi_k3_tp8 T=4096's tiled shrink of x was 534 us, issue-bound, ncu.)
