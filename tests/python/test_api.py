@@ -374,12 +374,16 @@ def test_moe_precomputed_topk_int64_and_expert_parallel():
     assert_close(y, ref, "expert parallel")
 
 
-def test_moe_out_param_zero_tokens_and_untouched_on_error():
-    rng = np.random.default_rng(3)
+def swiglu_layer(seed):
+    """A small gate-first SwiGLU layer, its x [T, H] and routing logits [T, E]."""
+    rng = np.random.default_rng(seed)
     q = quantized(rng, E, H, I)
     w = fp4moe.prepare_weights(**q, gate_up_order="gate_first", activation="swiglu")
-    x = rand_x(rng, T, H)
-    logits = rng.standard_normal((T, E)).astype(np.float32)
+    return w, rand_x(rng, T, H), rng.standard_normal((T, E)).astype(np.float32)
+
+
+def test_moe_out_param_zero_tokens_and_untouched_on_error():
+    w, x, logits = swiglu_layer(3)
     out = np.full((T, H), 7.0, dtype=BF16)
     y = fp4moe.moe(x, w, routing_logits=logits, top_k=K, routing_method="Renormalize", out=out)
     assert y is out and not np.all(out.astype(np.float32) == 7.0)
@@ -392,11 +396,7 @@ def test_moe_out_param_zero_tokens_and_untouched_on_error():
 
 
 def test_moe_is_deterministic_and_batch_invariant():
-    rng = np.random.default_rng(9)
-    q = quantized(rng, E, H, I)
-    w = fp4moe.prepare_weights(**q, gate_up_order="gate_first", activation="swiglu")
-    x = rand_x(rng, T, H)
-    logits = rng.standard_normal((T, E)).astype(np.float32)
+    w, x, logits = swiglu_layer(9)
     kw = dict(top_k=K, routing_method="Renormalize")
     y1 = fp4moe.moe(x, w, routing_logits=logits, **kw)
     y2 = fp4moe.moe(x, w, routing_logits=logits, num_threads=1, **kw)
@@ -408,11 +408,7 @@ def test_moe_is_deterministic_and_batch_invariant():
 def test_gemm_tile_argument():
     # gemm_tile (the CUDA plan's tile, forced) never changes the bits; out of range it is refused by name, on the
     # CPU backend too, and the output is left untouched.
-    rng = np.random.default_rng(10)
-    q = quantized(rng, E, H, I)
-    w = fp4moe.prepare_weights(**q, gate_up_order="gate_first", activation="swiglu")
-    x = rand_x(rng, T, H)
-    logits = rng.standard_normal((T, E)).astype(np.float32)
+    w, x, logits = swiglu_layer(10)
     kw = dict(routing_logits=logits, top_k=K, routing_method="Renormalize")
     y = fp4moe.moe(x, w, **kw)
     for tile in (0, 1, 2):
