@@ -166,5 +166,23 @@ TEST(BenchOptions, ActivationVariants) {
   EXPECT_EQ(s.H, before.H);
 }
 
+// The table's "LoRA / base" column: the LoRA row over the same shape and T without LoRA, nothing otherwise.
+TEST(BenchTable, LoraOverBase) {
+  struct Row {
+    std::string shape;
+    int64_t T;
+    bool lora;
+    std::string status;
+    double median_us;
+  };
+  const std::vector<Row> rows = {{"kimi", 64, false, "ok", 250.0}, {"kimi", 64, true, "ok", 330.0},
+                                 {"kimi", 1, true, "ok", 47.0},    {"qwen", 64, false, "unsupported", 0.0},
+                                 {"qwen", 64, true, "ok", 200.0},  {"kimi", 1, false, "ok", 33.0}};
+  EXPECT_DOUBLE_EQ(bench::lora_over_base(rows, rows[1]), 330.0 / 250.0);
+  EXPECT_DOUBLE_EQ(bench::lora_over_base(rows, rows[2]), 47.0 / 33.0);  // the base row may come later
+  EXPECT_EQ(bench::lora_over_base(rows, rows[0]), 0.0);                 // not a LoRA row
+  EXPECT_EQ(bench::lora_over_base(rows, rows[4]), 0.0);                 // its base did not run
+}
+
 }  // namespace
 }  // namespace fp4moe

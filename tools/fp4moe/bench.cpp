@@ -239,19 +239,20 @@ std::string fmt(const char* f, double v) {
 
 std::string markdown_table(const std::vector<CaseResult>& rs) {
   std::string t =
-      "| shape | T | LoRA | median us | p10 | p90 | weights MB | GB/s | /copy | TFLOP/s | /gemm | floor us | x floor |\n"
-      "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+      "| shape | T | LoRA | median us | p10 | p90 | weights MB | GB/s | /copy | TFLOP/s | /gemm | floor us | x floor |"
+      " LoRA / base |\n"
+      "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
   for (const auto& r : rs) {
     t += "| " + r.shape + " | " + std::to_string(r.T) + " | " + (r.lora ? "8x r16" : "-") + " | ";
     if (r.status != "ok") {
-      t += r.status + " | | | | | | | | | |\n";
+      t += r.status + " | | | | | | | | | | |\n";
       continue;
     }
-    const double mb = (r.weight_bytes + r.lora_bytes) / 1e6;
+    const double mb = (r.weight_bytes + r.lora_bytes) / 1e6, over = bench::lora_over_base(rs, r);
     t += fmt("%.1f", r.median_us) + " | " + fmt("%.1f", r.p10_us) + " | " + fmt("%.1f", r.p90_us) + " | " +
          fmt("%.1f", mb) + " | " + fmt("%.0f", r.m.gbps) + " | " + fmt("%.2f", r.m.ratio_copy) + " | " +
          fmt("%.1f", r.m.tflops) + " | " + fmt("%.2f", r.m.ratio_gemm) + " | " + fmt("%.1f", r.m.floor_us) + " | " +
-         fmt("%.2f", r.m.time_over_floor) + " |\n";
+         fmt("%.2f", r.m.time_over_floor) + " | " + (over > 0 ? fmt("%.3f", over) : std::string("-")) + " |\n";
   }
   return t;
 }
@@ -956,7 +957,8 @@ int run_bench_cuda(const Options& o) {
 
   std::printf("\n%s", markdown_table(results).c_str());
   std::printf("\n(time per moe_run: median of >= %d CUDA-graph replays, L2 flushed before each; weights MB: touched weight\n"
-              "bytes incl. LoRA; /copy and /gemm: ratios to the ceilings measured above; floor: max(bytes / copy, FLOPs / gemm))\n",
+              "bytes incl. LoRA; /copy and /gemm: ratios to the ceilings measured above; floor: max(bytes / copy, FLOPs / gemm);\n"
+              "LoRA / base: a LoRA row's median over the same shape and T without LoRA, in this run)\n",
               o.runs);
   std::printf("bench finished in %.1f s\n", elapsed());
 

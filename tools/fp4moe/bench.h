@@ -68,6 +68,15 @@ inline double lora_flops(int64_t adapted_slots, int64_t H, int64_t I, bool gated
 }
 
 // ---- what a routing touches -------------------------------------------------------------------------
+// A LoRA row's median over the row without LoRA of the same shape and T among `rows` (one run), 0 when there is
+// none or either did not run. Row: shape, T, lora, status ("ok"), median_us.
+template <class Row> double lora_over_base(const std::vector<Row>& rows, const Row& r) {
+  if (!r.lora || r.status != "ok") return 0;
+  for (const auto& b : rows)
+    if (!b.lora && b.status == "ok" && b.shape == r.shape && b.T == r.T && b.median_us > 0) return r.median_us / b.median_us;
+  return 0;
+}
+
 struct Touch {
   int64_t local_slots = 0;      // (token, slot) pairs whose expert is local
   int64_t touched_experts = 0;  // local experts with at least one such pair
