@@ -505,6 +505,20 @@ void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& a
   s.gemm_config = args.gemm_tile;
   const MoePlan plan = make_plan(s);
   if (plan.num_chunks == 0) return;
+  // lora_shrink1_kernel's grid: a token's items (plan.lora_shrink1_rows_per_item rank rows of one A each), the most
+  // over the loaded slots, at least one (block 0 publishes the token's slot). Once a call, not once a chunk.
+  int shrink1_max_items = 1;
+  if (lora) {
+    const int rpi = plan.lora_shrink1_rows_per_item;
+    const auto items = [&](int64_t r) { return static_cast<int>((r + rpi - 1) / rpi); };
+    for (const auto& a : *adapters) {
+      if (!a) continue;
+      const int routed = a->has_gate_up && (a->a1_shared || !plan.lora_shrink_tiled)
+                             ? static_cast<int>(a->a1_shared ? 1 : args.routing.top_k) * items(a->r1) : 0;
+      const int shared = sw && a->has_shared && a->s_has_gate_up ? items(a->s_r) : 0;
+      shrink1_max_items = std::max(shrink1_max_items, routed + shared);
+    }
+  }
 
   if (!aligned(args.x.data, 16))
     throw Error(ErrorCode::Unsupported, "x", "the CUDA backend needs x aligned to 16 bytes");
@@ -650,17 +664,7 @@ void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& a
       lp.shared_expert = sw != nullptr;
       lp.routed_in_tiles = plan.lora_shrink_tiled;
       lp.rows_per_item = plan.lora_shrink1_rows_per_item;
-      // The grid's items a token: the most over the loaded slots, at least one (block 0 publishes the slot).
-      const auto items = [&](int64_t r) { return (r + lp.rows_per_item - 1) / lp.rows_per_item; };
-      int64_t max_items = 1;
-      for (const auto& a : *adapters) {
-        if (!a) continue;
-        const int64_t routed = a->has_gate_up && (a->a1_shared || !lp.routed_in_tiles)
-                                   ? (a->a1_shared ? 1 : args.routing.top_k) * items(a->r1) : 0;
-        const int64_t shared = sw && a->has_shared && a->s_has_gate_up ? items(a->s_r) : 0;
-        max_items = std::max(max_items, routed + shared);
-      }
-      lp.max_items = static_cast<int>(max_items);
+      lp.max_items = shrink1_max_items;
       lp.token_slot = lora_slot;
       lp.t1 = lora_t1;
       lp.t1_stride = static_cast<int>(plan.lora_r1_stride);
