@@ -161,16 +161,47 @@ struct Epilogue2 {
   }
 };
 
+// LoRA before the mainloop (both GEMM kernels): each tile row's LoraRowRef (lora_row_ref: a chain of three dependent
+// loads, row -> entry, token -> slot, slot -> table) into rows[BM], by the block's last BM threads (warp 0 issues
+// the first stage's token copies). Each such row also asks L2 for its share (BN / BM weight rows) of its slot's B
+// rows for output columns [nb, nb + BN): the epilogue's B loads then wait on L2, not HBM (a large layer's adapters
+// do not stay in L2 between calls). Rows of one slot together cover all the block's B rows; a tile of mixed slots
+// covers part of each. The epilogue must __syncthreads() before reading rows.
+template <class Cfg, class Epi, class Act>
+__device__ __forceinline__ void lora_lookup_rows(const GemmProblem& g, const typename Epi::Params& ep,
+                                                 const TileRows& tr, int nb, dev::LoraRowRef* rows) {
+  static_assert(Cfg::THREADS >= Cfg::BM, "one thread a tile row");
+  const int i = Cfg::THREADS - 1 - static_cast<int>(threadIdx.x);
+  if (i >= Cfg::BM) return;
+  dev::LoraRowRef rr;
+  if (tr.row0 + i < tr.row_end) rr = dev::lora_row_ref(ep.lora, entry_of(g, tr.row0 + i), ep.token_div);
+  rows[i] = rr;
+  if (rr.slot < 0) return;
+  constexpr int kRowsEach = (Cfg::BN + Cfg::BM - 1) / Cfg::BM;
+  const int N = Epi::cols(ep);
+  const uint16_t* B = ep.lora.table[rr.slot].proj[ep.lora.which].B + static_cast<int64_t>(tr.expert) * N * rr.r;
+#pragma unroll
+  for (int q = 0; q < kRowsEach; ++q) {
+    const int j = i * kRowsEach + q, n = nb + j;
+    if (j >= Cfg::BN || n >= N) break;
+    const uint16_t* row = B + static_cast<int64_t>(Epi::template lora_b_row<Act>(ep, n)) * rr.r;
+    dev::prefetch_l2(row);
+    dev::prefetch_l2(row + rr.r - 1);
+  }
+}
+
 // The epilogue of one mma.sync block tile: thread (lane) holds acc[mt][nt][2*half + {0,1}] = output
 // (row wm*WTM + mt*16 + lane/4 + 8*half, columns wn*WTN + nt*8 + 2*(lane%4) + {0,1}). The LoRA delta of each
 // m16n8 fragment has the same layout: tokens' t rows as the A operand, B_e rows (one per column) as B.
 template <class Cfg, class Epi, class Act>
 __device__ __forceinline__ void tile_epilogue(const typename Epi::Params& p, const GemmProblem& g,
-                                              const MainLoop<Cfg>& ml, const TileRows& tr, int n0) {
+                                              const MainLoop<Cfg>& ml, const TileRows& tr, int n0,
+                                              const dev::LoraRowRef* lora_rows) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gq = lane >> 2, t = lane & 3;
   const int wm = warp / Cfg::WARPS_N, wn = warp % Cfg::WARPS_N;
   const int N = Epi::cols(p);
   const auto x = Epi::template expert_ctx<Act>(p, tr.expert);
+  if (p.lora.table) __syncthreads();  // lora_rows (block-uniform)
 #pragma unroll
   for (int mt = 0; mt < Cfg::MT; ++mt) {
     typename Epi::RowCtx rc[2];
@@ -182,9 +213,7 @@ __device__ __forceinline__ void tile_epilogue(const typename Epi::Params& p, con
       valid[half] = r < tr.row_end;
       if (!valid[half]) continue;
       rc[half] = Epi::row_ctx(p, g, x, r);
-      if (p.lora.table) {
-        rr[half] = dev::lora_row_ref(p.lora, entry_of(g, r), p.token_div);
-      }
+      if (p.lora.table) rr[half] = lora_rows[r - tr.row0];
     }
     // The LoRA deltas of the warp's 16 x WTN outputs of this mt: one pass per adapter present in the 16 rows.
     float dl[Cfg::NT][4];
@@ -240,9 +269,12 @@ __global__ void __launch_bounds__(Cfg::THREADS) grouped_gemm_kernel(GemmProblem 
   const int n0 = static_cast<int>(blockIdx.y) * Cfg::BN;
 
   TileLoader<Cfg> ld(g, tr, n0, 0);
+  __shared__ dev::LoraRowRef s_lora_rows[Cfg::BM];
   MainLoop<Cfg> ml;
-  ml.run(smem, ld, static_cast<int>(g.B.Kp / Cfg::BK));
-  tile_epilogue<Cfg, Epi, Act>(ep, g, ml, tr, n0);
+  ml.run(smem, ld, static_cast<int>(g.B.Kp / Cfg::BK), [&] {
+    if (ep.lora.table) lora_lookup_rows<Cfg, Epi, Act>(g, ep, tr, n0, s_lora_rows);
+  });
+  tile_epilogue<Cfg, Epi, Act>(ep, g, ml, tr, n0, s_lora_rows);
 }
 
 }  // namespace fp4moe::cuda_backend

@@ -264,8 +264,11 @@ template <class Cfg> struct MainLoop {
   float acc[C::MT][C::NT][4];  // the sum over the chunks done
   float part[C::MT][C::NT][4];  // the chain of the current chunk
 
-  __device__ __forceinline__ void run(uint8_t* smem, TileLoader<C>& ld, int KB) {
+  // after_issue() runs once the first stages' copies are issued (work to overlap with them, e.g. the LoRA lookups).
+  template <class AfterIssue>
+  __device__ __forceinline__ void run(uint8_t* smem, TileLoader<C>& ld, int KB, AfterIssue&& after_issue) {
     StagePipe<C> pipe(smem, ld, KB);
+    after_issue();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int wm = warp / C::WARPS_N, wn = warp % C::WARPS_N;
     const int g = lane >> 2, t = lane & 3;

@@ -102,19 +102,11 @@ __global__ void __launch_bounds__(Cfg::THREADS, kSkinnyMinBlocks<Cfg>)
   TileLoader<Cfg> ld(g, tr, static_cast<int>(blockIdx.y) * Cfg::BN, kr.begin);
   StagePipe<Cfg> pipe(smem, ld, nkb);
 
-  // LoRA: each tile row's slot and shrink row, looked up while the first stages load (lora_row_ref is a chain of
-  // three dependent loads: row -> entry, token -> slot, slot -> table), by the block's last threads (warp 0 issues
-  // the token copies); the epilogue reads them after the loop. In the epilogue, group by group, the lookups made each
-  // group's expand wait one more chain: kimi_k3_tp8 T=4096's GEMM2 took 1760 us with LoRA against 872 without (ncu).
+  // LoRA: each tile row's slot and shrink row (and its B rows asked of L2) while the first stages load; the
+  // epilogue reads them after the loop. In the epilogue, group by group, the lookups made each group's expand wait
+  // one more chain: kimi_k3_tp8 T=4096's GEMM2 took 1760 us with LoRA against 872 without (ncu).
   __shared__ dev::LoraRowRef s_lora_rows[Cfg::BM];
-  if (ep.lora.table) {
-    const int i = Cfg::THREADS - 1 - static_cast<int>(threadIdx.x);
-    if (i < Cfg::BM) {
-      dev::LoraRowRef rr;
-      if (tr.row0 + i < tr.row_end) rr = dev::lora_row_ref(ep.lora, entry_of(g, tr.row0 + i), ep.token_div);
-      s_lora_rows[i] = rr;
-    }
-  }
+  if (ep.lora.table) lora_lookup_rows<Cfg, Epi, Act>(g, ep, tr, static_cast<int>(blockIdx.y) * Cfg::BN, s_lora_rows);
 
   // Split-K: this block's chunk sums go to partials[tile][chunk][thread] (tile = blockIdx.x, y).
   const int chunks = (KB + kChunkBlocks - 1) / kChunkBlocks;
@@ -257,11 +249,27 @@ __global__ void __launch_bounds__(Cfg::THREADS, kSkinnyMinBlocks<Cfg>)
   // Thread (g, t) holds out(token 2t + {0,1} of group i, weight rows n0 + 16r + g and + 8), and the LoRA delta of
   // the same fragment (lora_expand.cuh; here B_e rows are the A operand, the tokens' t rows the B operand), one
   // pass per adapter of the group's 8 tokens (a pass per adapter of the whole tile instead ran every group through
-  // every adapter of the tile: kimi T=1024 with LoRA 1540 -> 1879 us). The epilogue takes column pairs (even, odd)
-  // of one row: row g + 1's values come from lane + 4.
+  // every adapter of the tile: kimi T=1024 with LoRA 1540 -> 1879 us). The B fragments of a pass's first k16 step
+  // depend on the slot and the weight rows only: kept from the group before when its slot is the same (the rows
+  // are ordered by adapter, so a tile's groups mostly share one), not loaded again. The epilogue takes column
+  // pairs (even, odd) of one row: row g + 1's values come from lane + 4.
   const auto x = Epi::template expert_ctx<Act>(ep, tr.expert);
   const int N = Epi::cols(ep);
   if (ep.lora.table) __syncthreads();  // s_lora_rows (block-uniform: every thread gets here or none)
+  int cached_slot = -1, crk = 0;  // warp-uniform: the slot whose B (rank crk, this expert) the fragments hold
+  const uint16_t* cB = nullptr;
+  uint32_t bfrag0[RG][4];         // its first k16 step's A operand (B rows n0 + 16r + g, + 8)
+  auto b_rows = [&](int r, const uint16_t*& ba, const uint16_t*& bb) {
+    const int na = n0 + 16 * r + gq, nb8 = na + 8;
+    ba = na < N ? cB + static_cast<int64_t>(Epi::template lora_b_row<Act>(ep, na)) * crk : nullptr;
+    bb = nb8 < N ? cB + static_cast<int64_t>(Epi::template lora_b_row<Act>(ep, nb8)) * crk : nullptr;
+  };
+  auto b_step = [&](const uint16_t* ba, const uint16_t* bb, int k0, uint32_t a[4]) {
+    a[0] = dev::lora_b_pair(ba, crk, k0 + 2 * t);
+    a[1] = dev::lora_b_pair(bb, crk, k0 + 2 * t);
+    a[2] = dev::lora_b_pair(ba, crk, k0 + 2 * t + 8);
+    a[3] = dev::lora_b_pair(bb, crk, k0 + 2 * t + 8);
+  };
 #pragma unroll
   for (int i = 0; i < GROUPS; ++i) {
     if (i >= groups) break;
@@ -271,29 +279,38 @@ __global__ void __launch_bounds__(Cfg::THREADS, kSkinnyMinBlocks<Cfg>)
     if (ep.lora.table) {
       const dev::LoraRowRef rr = s_lora_rows[i * 8 + gq];  // this lane's B column: token gq of the group
       const int sel0 = __shfl_sync(0xffffffffu, rr.slot, 8 * t), sel1 = __shfl_sync(0xffffffffu, rr.slot, 8 * t + 4);
+      // The first step's t operand, by the token's own rank: the same values as by the pass's slot rank for the
+      // tokens that keep the pass's result; the other columns are discarded.
+      const uint32_t tb0[2] = {dev::lora_t_pair(rr.t, rr.r, 2 * t), dev::lora_t_pair(rr.t, rr.r, 2 * t + 8)};
       const int keys[1] = {rr.slot};
       dev::for_each_slot(keys, [&](int s) {
-        const LoraProj& pj = ep.lora.table[s].proj[ep.lora.which];
-        const int rk = pj.r;
-        const uint16_t* B = pj.B + static_cast<int64_t>(tr.expert) * N * rk;
+        if (s != cached_slot) {
+          const LoraProj& pj = ep.lora.table[s].proj[ep.lora.which];
+          cached_slot = s;
+          crk = pj.r;
+          cB = pj.B + static_cast<int64_t>(tr.expert) * N * crk;
+#pragma unroll
+          for (int r = 0; r < RG; ++r) {
+            const uint16_t *ba, *bb;
+            b_rows(r, ba, bb);
+            b_step(ba, bb, 0, bfrag0[r]);
+          }
+        }
 #pragma unroll
         for (int r = 0; r < RG; ++r) {
-          const int na = n0 + 16 * r + gq, nb8 = na + 8;
-          const uint16_t* ba = na < N ? B + static_cast<int64_t>(Epi::template lora_b_row<Act>(ep, na)) * rk : nullptr;
-          const uint16_t* bb = nb8 < N ? B + static_cast<int64_t>(Epi::template lora_b_row<Act>(ep, nb8)) * rk : nullptr;
-          float d[4];
-          dev::lora_mma(
-              d, rk,
-              [&](int k0, uint32_t a[4]) {
-                a[0] = dev::lora_b_pair(ba, rk, k0 + 2 * t);
-                a[1] = dev::lora_b_pair(bb, rk, k0 + 2 * t);
-                a[2] = dev::lora_b_pair(ba, rk, k0 + 2 * t + 8);
-                a[3] = dev::lora_b_pair(bb, rk, k0 + 2 * t + 8);
-              },
-              [&](int k0, uint32_t b[2]) {
-                b[0] = dev::lora_t_pair(rr.t, rk, k0 + 2 * t);
-                b[1] = dev::lora_t_pair(rr.t, rk, k0 + 2 * t + 8);
-              });
+          // One chain over k < crk from +0 (lora_mma's order): the cached first step, then any further steps.
+          float d[4] = {0.f, 0.f, 0.f, 0.f};
+          dev::mma_bf16_16816(d, bfrag0[r], tb0);
+          if (crk > 16) {
+            const uint16_t *ba, *bb;
+            b_rows(r, ba, bb);
+            for (int k0 = 16; k0 < crk; k0 += 16) {
+              uint32_t a[4];
+              b_step(ba, bb, k0, a);
+              const uint32_t b[2] = {dev::lora_t_pair(rr.t, crk, k0 + 2 * t), dev::lora_t_pair(rr.t, crk, k0 + 2 * t + 8)};
+              dev::mma_bf16_16816(d, a, b);
+            }
+          }
           if (sel0 == s) { dl[r][0] = dev::round_to_bf16(d[0]); dl[r][2] = dev::round_to_bf16(d[2]); }
           if (sel1 == s) { dl[r][1] = dev::round_to_bf16(d[1]); dl[r][3] = dev::round_to_bf16(d[3]); }
         }

@@ -23,6 +23,7 @@ namespace fp4moe::cuda_backend::dev {
 struct LoraRowRef {
   const float* t = nullptr;
   int slot = -1;
+  int r = 0;  // the slot's rank for this projection (0 without a delta)
 };
 // entry: the output row's (token, slot) entry; token = entry / token_div.
 __device__ __forceinline__ LoraRowRef lora_row_ref(const LoraExpandParams& L, int entry, int token_div) {
@@ -34,9 +35,14 @@ __device__ __forceinline__ LoraRowRef lora_row_ref(const LoraExpandParams& L, in
   const LoraProj& pj = L.table[slot].proj[L.which];
   if (pj.r <= 0 || pj.b_shared) return rr;
   rr.slot = slot;
+  rr.r = pj.r;
   rr.t = L.t + static_cast<int64_t>(pj.a_shared ? token * token_div : entry) * L.t_stride;
   return rr;
 }
+
+// Asks L2 for the line holding p (no register waits on it): the epilogue's B rows, requested when a tile's rows are
+// looked up so that the mainloop hides their HBM latency.
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   return static_cast<uint32_t>(f32_to_bf16(lo)) | (static_cast<uint32_t>(f32_to_bf16(hi)) << 16);
