@@ -587,6 +587,9 @@ void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& a
 
   // A4: GEMM1's bf16 output a [rows, width] -> NVFP4 values in place, with the FC2 input encode scale
   // (row_count: the routed rows actually present, on the device; null: all rows).
+  // A4 without LoRA (whose shrink reads a before the rounding) on a tile that can: GEMM1 writes a's NVFP4 values
+  // itself (one launch less; the same bits, gemm_skinny.cuh fused_a4_store).
+  const bool a4_fused = a4 && !lora && gemm_a4_fusable(plan.gemm_config, s.activation);
   auto quantize_fc2_input = [&](uint16_t* a, int64_t width, int rows, const int32_t* row_count) {
     QuantizeParams qp;
     qp.x = a;
@@ -745,6 +748,7 @@ void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& a
     e1.defaults = defaults;
     e1.act_out = act_out;
     e1.lora = expand(lora_t1, plan.lora_r1_stride, kLoraGateUp);
+    e1.a_quant_gs = a4_fused ? 1.f / args.fc2_input_scale : 0.f;
     g1 = with_split(g1, plan.split1);
     launch_gemm1(plan.gemm_config, w.format, s.activation, g1, e1, static_cast<int>(plan.n1_tiles),
                  static_cast<int>(plan.max_m_tiles), stream);
@@ -775,7 +779,7 @@ void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& a
     else if (lora) shrink_act(act_buf, I, rows, kLoraDown, lora_t2, true);
 
     // 5. A4: a -> NVFP4 values with the FC2 input encode scale.
-    if (a4) quantize_fc2_input(act_buf, I, rows, expert_offsets + w.E);
+    if (a4 && !a4_fused) quantize_fc2_input(act_buf, I, rows, expert_offsets + w.E);
 
     // 6. GEMM2: o per (token, slot) entry.
     GemmProblem g2 = with_split(g1, plan.split2);
@@ -796,10 +800,11 @@ void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& a
       Epilogue1Params es1 = epilogue1_for(*sw, shared_act, 1, a4 ? x_scale : nullptr);
       es1.defaults = shared_params;
       es1.lora = expand(lora_st1, plan.lora_r2_stride, kLoraSharedGateUp);
+      es1.a_quant_gs = e1.a_quant_gs;
       launch_gemm1(plan.gemm_config, sw->format, s.activation, gs1, es1, static_cast<int>(plan.shared_n1_tiles),
                    static_cast<int>(plan.shared_m_tiles), stream);
       if (lora) shrink_act(shared_act, Is, tc, kLoraSharedDown, lora_st2, false);
-      if (a4) quantize_fc2_input(shared_act, Is, tc, nullptr);
+      if (a4 && !a4_fused) quantize_fc2_input(shared_act, Is, tc, nullptr);
       const GemmProblem gs2 = with_split(dense_problem(shared_act, Is, static_cast<int>(Is), tc, sw->w2), plan.shared_split2);
       Epilogue2Params es2 = epilogue2_for(*sw, shared_out, 1, fc2_scale);
       es2.lora = expand(lora_st2, plan.lora_r2_stride, kLoraSharedDown);

@@ -80,34 +80,53 @@ struct Epilogue1 {
     rc.a_odd = __fmul_rn(x.s_odd, rs);
     return rc;
   }
+  // A gated activation's a at column col / 2 (col even, < N1: the pair gate | up in the prepared order), in
+  // float before its bf16 rounding.
+  template <class Act>
+  __device__ __forceinline__ static float gated_value(const Params& p, const ExpertCtx& x, const RowCtx& rc, int col,
+                                                      float c0, float c1, float l0, float l1) {
+    float h0 = __fmul_rn(c0, rc.a_even);
+    float h1 = __fmul_rn(c1, rc.a_odd);
+    if (p.bias) {
+      h0 = __fadd_rn(h0, p.bias[static_cast<int64_t>(x.e) * p.N1 + col]);
+      h1 = __fadd_rn(h1, p.bias[static_cast<int64_t>(x.e) * p.N1 + col + 1]);
+    }
+    const int j = col >> 1;
+    float dg = 0.f, du = 0.f;
+    if (p.delta) {
+      const uint16_t* d = p.delta + static_cast<int64_t>(rc.entry) * p.N1;
+      dg = dev::bf16_to_f32(d[p.gate_first ? j : p.I + j]);
+      du = dev::bf16_to_f32(d[p.gate_first ? p.I + j : j]);
+    }
+    h0 = __fadd_rn(h0, dg);
+    h1 = __fadd_rn(h1, du);
+    // The LoRA delta, always added (+0 for base rows).
+    h0 = __fadd_rn(h0, l0);
+    h1 = __fadd_rn(h1, l1);
+    return Act::apply(h0, h1, x.prm);
+  }
+  // Stores a gated a at column j: out (GEMM2's input: a, or its NVFP4 values when GEMM1 quantizes) and the bridge
+  // act_out (a).
+  __device__ __forceinline__ static void store_gated(const Params& p, const RowCtx& rc, int j, uint16_t out,
+                                                     uint16_t a) {
+    p.out[static_cast<int64_t>(rc.r) * p.I + j] = out;
+    if (p.act_out) p.act_out[static_cast<int64_t>(rc.entry) * p.I + j] = a;
+  }
   template <class Act>
   __device__ __forceinline__ static void pair(const Params& p, const ExpertCtx& x, const RowCtx& rc, int col, float c0,
                                               float c1, float l0, float l1) {
     if (col >= p.N1) return;
     const int e = x.e, r = rc.r, entry = rc.entry;
-    float h0 = __fmul_rn(c0, rc.a_even);
-    float h1 = __fmul_rn(c1, rc.a_odd);
-    if (p.bias) {
-      h0 = __fadd_rn(h0, p.bias[static_cast<int64_t>(e) * p.N1 + col]);
-      h1 = __fadd_rn(h1, p.bias[static_cast<int64_t>(e) * p.N1 + col + 1]);
-    }
     if constexpr (kGatedAct<Act>) {
-      const int j = col >> 1;
-      float dg = 0.f, du = 0.f;
-      if (p.delta) {
-        const uint16_t* d = p.delta + static_cast<int64_t>(entry) * p.N1;
-        dg = dev::bf16_to_f32(d[p.gate_first ? j : p.I + j]);
-        du = dev::bf16_to_f32(d[p.gate_first ? p.I + j : j]);
-      }
-      h0 = __fadd_rn(h0, dg);
-      h1 = __fadd_rn(h1, du);
-      // The LoRA delta, always added (+0 for base rows).
-      h0 = __fadd_rn(h0, l0);
-      h1 = __fadd_rn(h1, l1);
-      const uint16_t a = dev::f32_to_bf16(Act::apply(h0, h1, x.prm));
-      p.out[static_cast<int64_t>(r) * p.I + j] = a;
-      if (p.act_out) p.act_out[static_cast<int64_t>(entry) * p.I + j] = a;
+      const uint16_t a = dev::f32_to_bf16(gated_value<Act>(p, x, rc, col, c0, c1, l0, l1));
+      store_gated(p, rc, col >> 1, a, a);
     } else {
+      float h0 = __fmul_rn(c0, rc.a_even);
+      float h1 = __fmul_rn(c1, rc.a_odd);
+      if (p.bias) {
+        h0 = __fadd_rn(h0, p.bias[static_cast<int64_t>(e) * p.N1 + col]);
+        h1 = __fadd_rn(h1, p.bias[static_cast<int64_t>(e) * p.N1 + col + 1]);
+      }
       float d0 = 0.f, d1 = 0.f;
       if (p.delta) {
         const uint16_t* d = p.delta + static_cast<int64_t>(entry) * p.N1;

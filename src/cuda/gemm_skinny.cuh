@@ -17,6 +17,7 @@
 #pragma once
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/gemm_grouped.cuh"
 #include "cuda/pdl.cuh"
@@ -75,6 +76,53 @@ constexpr int kSkinnySmemPerSm = 0;
 #endif
 template <class Cfg> constexpr int kSkinnyMinBlocks =
     Cfg::WGMMA ? 2 : std::max(1, kSkinnySmemPerSm / (Cfg::SMEM_BYTES + 1024));
+
+// GEMM1's epilogue with a's A4 quantization fused (Epilogue1Params::a_quant_gs; gated activations, two row groups a
+// warp): the warp's 32 weight rows n0.. are 16 gate | up pairs, a's columns n0 / 2 .. + 15 — one NVFP4 block (n0 is
+// a multiple of 32) — of each of the group's tokens. Lane (g even, t) holds 4 of token 2t + tk's 16 values; the
+// block's amax is taken over lanes t, t + 8, t + 16, t + 24, and each value is quantized as quantize_block does
+// (nvfp4_device.cuh), so out holds the same bits as GEMM1 then quantize_blocks_kernel. act_out keeps a.
+template <class Act, int ACCS, int RG>
+__device__ __forceinline__ void fused_a4_store(const Epilogue1Params& ep, const GemmProblem& g,
+                                               const Epilogue1::ExpertCtx& x, const TileRows& tr, int i, int n0,
+                                               const float (&acc)[ACCS][4], const float (&nb)[RG][4],
+                                               const float (&dl)[RG][4], const float (&dn)[RG][4]) {
+  const int lane = threadIdx.x & 31, gq = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int tk = 0; tk < 2; ++tk) {
+    const int row = tr.row0 + i * 8 + 2 * t + tk;
+    const bool mine = (gq & 1) == 0 && row < tr.row_end && n0 < ep.N1;  // N1 = 2I: a warp's rows all in or all out
+    Epilogue1::RowCtx rc{};
+    if (mine) rc = Epilogue1::row_ctx(ep, g, x, row);
+    uint16_t ab[RG][2];
+    float amax = 0.f;
+    bool non_finite = false;
+#pragma unroll
+    for (int r = 0; r < RG; ++r)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int q = 2 * h + tk;
+        ab[r][h] = mine ? dev::f32_to_bf16(Epilogue1::gated_value<Act>(ep, x, rc, n0 + 16 * r + gq + 8 * h,
+                                                                       acc[i * RG + r][q], nb[r][q], dl[r][q], dn[r][q]))
+                        : uint16_t{0};
+        dev::quant_block_amax(dev::bf16_to_f32(ab[r][h]), amax, non_finite);
+      }
+#pragma unroll
+    for (int m = 8; m <= 16; m <<= 1) {
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
+      non_finite = __shfl_xor_sync(0xffffffffu, static_cast<int>(non_finite), m) != 0 || non_finite;
+    }
+    const dev::QuantBlockScale qs = dev::quant_block_scale(amax, non_finite, ep.a_quant_gs);
+    if (!mine) continue;
+#pragma unroll
+    for (int r = 0; r < RG; ++r)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float v = dev::fake_quant_value(dev::bf16_to_f32(ab[r][h]), ep.a_quant_gs, qs);
+        Epilogue1::store_gated(ep, rc, (n0 + 16 * r + gq + 8 * h) >> 1, dev::f32_to_bf16(v), ab[r][h]);
+      }
+  }
+}
 
 template <class Cfg, class Epi, class Act>
 __global__ void __launch_bounds__(Cfg::THREADS, kSkinnyMinBlocks<Cfg>)
@@ -324,6 +372,12 @@ __global__ void __launch_bounds__(Cfg::THREADS, kSkinnyMinBlocks<Cfg>)
         nb[r][q] = __shfl_down_sync(0xffffffffu, acc[i * RG + r][q], 4);
         dn[r][q] = __shfl_down_sync(0xffffffffu, dl[r][q], 4);
       }
+    if constexpr (std::is_same_v<Epi, Epilogue1> && kGatedAct<Act> && RG == 2) {
+      if (ep.a_quant_gs > 0.f) {  // A4 fused (block-uniform)
+        fused_a4_store<Act>(ep, g, x, tr, i, n0, acc, nb, dl, dn);
+        continue;
+      }
+    }
     if ((gq & 1) == 0) {  // no early exit: the next group's expand needs every lane converged
 #pragma unroll
       for (int tk = 0; tk < 2; ++tk) {

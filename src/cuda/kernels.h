@@ -210,6 +210,9 @@ struct Epilogue1Params {
   uint16_t* out = nullptr;           // bf16 [rows][I] by permuted row
   uint16_t* act_out = nullptr;       // bf16 [entries][I] bridge or null
   int I = 0, N1 = 0;
+  // > 0 (A4, fused): out gets a's NVFP4 values with this encode scale (1 / fc2_input_scale) instead of a; only the
+  // weights-as-A tiles with two row groups a warp (configs 0, 1) and gated activations do it (gemm_a4_fusable).
+  float a_quant_gs = 0.f;
   LoraExpandParams lora;             // + bf16(t . B1_e^T) before the activation
 };
 
@@ -223,6 +226,13 @@ struct Epilogue2Params {
   int token_div = 1;            // token = entry / token_div (k routed, 1 dense)
   LoraExpandParams lora;        // + bf16(t2 . B2_e^T); SharedOuter's shared B2 is left to the combine
 };
+
+// Whether GEMM1 on tile `config` quantizes a itself in A4 (Epilogue1Params::a_quant_gs, gemm_skinny.cuh
+// fused_a4_store): the weights-as-A tiles with two row groups of 16 a warp (mma.sync), gated activations.
+inline bool gemm_a4_fusable(int config, ActivationType a) {
+  const GemmConfig& c = kGemmConfigs[config];
+  return c.weights_as_a && !c.wgmma && c.bn == 32 * c.warps_n && is_gated(a);
+}
 
 struct QuantizeParams {
   const uint16_t* x = nullptr;   // bf16 [rows, K] input (may equal out)

@@ -73,37 +73,42 @@ __device__ __forceinline__ float e2m1_value(uint32_t mag) {
   return e == 0 ? 0.5f * static_cast<float>(m) : __uint_as_float(((e + 126u) << 23) | (m << 22));
 }
 
-// Quantizes 16 values with encode scale gs and writes their decoded NVFP4 values e2m1 * e4m3 (no global
-// scale; exact in bf16) — quantize_block of src/format/nvfp4.cpp: amax over finite values, a block with a
-// NaN or Inf gets the NaN scale (decodes to NaN), sf = e4m3((gs * amax) / 6), q = e2m1((x * gs) / sf).
+// NVFP4 fake quantization (quantize_block of src/format/nvfp4.cpp): a 16-element block's scale from its amax over
+// finite values (a block holding NaN or Inf decodes to NaN), sf = e4m3((gs * amax) / 6), then each value
+// q = e2m1((x * gs) / sf), written as its decoded value e2m1 * e4m3 (no global scale; exact in bf16). In two steps,
+// so that a block spread over lanes (GEMM1's fused A4 epilogue) and a block in one thread share the arithmetic.
+struct QuantBlockScale {
+  float sfv;        // the decoded e4m3 scale
+  bool non_finite;  // the block holds NaN or Inf: every value NaN
+};
+__device__ __forceinline__ QuantBlockScale quant_block_scale(float amax_finite, bool non_finite, float gs) {
+  QuantBlockScale q;
+  q.non_finite = non_finite;
+  q.sfv = e4m3_to_f32(f32_to_e4m3_satfinite(__fdiv_rn(__fmul_rn(gs, amax_finite), 6.0f)));
+  return q;
+}
+__device__ __forceinline__ float fake_quant_value(float x, float gs, const QuantBlockScale& s) {
+  if (s.non_finite) return __uint_as_float(0x7fffffffu);
+  if (s.sfv == 0.f) return 0.f;
+  const float q = __fdiv_rn(__fmul_rn(x, gs), s.sfv);
+  const float v = e2m1_value(e2m1_magnitude(fabsf(q))) * s.sfv;
+  return signbit(q) ? -v : v;
+}
+// Folds x into a block's (amax over finite |x|, any non-finite) pair.
+__device__ __forceinline__ void quant_block_amax(float x, float& amax, bool& non_finite) {
+  const float a = fabsf(x);
+  if (!isfinite(a)) non_finite = true;
+  else amax = fmaxf(amax, a);
+}
+// 16 values of one block in one thread.
 __device__ __forceinline__ void fake_quant_block16(const float x[16], float gs, float y[16]) {
   float amax = 0.f;
   bool non_finite = false;
 #pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    const float a = fabsf(x[i]);
-    if (!isfinite(a)) non_finite = true;
-    else amax = fmaxf(amax, a);
-  }
-  if (non_finite) {
+  for (int i = 0; i < 16; ++i) quant_block_amax(x[i], amax, non_finite);
+  const QuantBlockScale s = quant_block_scale(amax, non_finite, gs);
 #pragma unroll
-    for (int i = 0; i < 16; ++i) y[i] = __uint_as_float(0x7fffffffu);
-    return;
-  }
-  const float t = __fmul_rn(gs, amax);
-  const uint32_t sf = f32_to_e4m3_satfinite(__fdiv_rn(t, 6.0f));
-  const float sfv = e4m3_to_f32(sf);
-  if (sfv == 0.f) {
-#pragma unroll
-    for (int i = 0; i < 16; ++i) y[i] = 0.f;
-    return;
-  }
-#pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    const float q = __fdiv_rn(__fmul_rn(x[i], gs), sfv);
-    const float v = e2m1_value(e2m1_magnitude(fabsf(q))) * sfv;
-    y[i] = signbit(q) ? -v : v;
-  }
+  for (int i = 0; i < 16; ++i) y[i] = fake_quant_value(x[i], gs, s);
 }
 
 }  // namespace fp4moe::cuda_backend::dev

@@ -131,7 +131,8 @@ void activation_matrix(const char* name, int64_t T) {
         c.format = fmt ? WeightFormat::BF16 : WeightFormat::NVFP4;
         c.bias = fmt == 1;
         c.order = mode ? GateUpOrder::UpFirst : GateUpOrder::GateFirst;
-        c.delta = c.act_out = (mode == 0 && fmt == 0);
+        c.delta = mode == 0 && fmt == 0;
+        c.act_out = fmt == 0;  // A4 too: the bridge is a before the NVFP4 rounding (fused in GEMM1's epilogue or not)
         c.per_token_x_scale = mode == 1 && fmt == 1;
         c.seed = 7 + static_cast<int>(at) * 4 + mode * 2 + fmt;
         c.check_tokens = T;
