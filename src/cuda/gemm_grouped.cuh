@@ -70,15 +70,26 @@ struct Epilogue1 {
     x.s_odd = kGatedAct<Act> ? p.s_odd[e] : x.s_even;
     return x;
   }
-  __device__ __forceinline__ static RowCtx row_ctx(const Params& p, const GemmProblem& g, const ExpertCtx& x, int r) {
+  // A row's loads (row_pre: its entry and token scale, a chain of two) apart from its arithmetic (row_ctx), so that a
+  // kernel may load them before its mainloop (gemm_skinny.cuh).
+  struct RowPre {
+    int entry;
+    float rs;
+  };
+  __device__ __forceinline__ static RowPre row_pre(const Params& p, const GemmProblem& g, int r) {
+    const int entry = entry_of(g, r);
+    return RowPre{entry, p.row_scale ? p.row_scale[entry / p.token_div] : 1.f};
+  }
+  __device__ __forceinline__ static RowCtx row_ctx(const Params&, const ExpertCtx& x, int r, const RowPre& pre) {
     RowCtx rc;
     rc.r = r;
-    rc.entry = entry_of(g, r);
-    const int token = rc.entry / p.token_div;
-    const float rs = p.row_scale ? p.row_scale[token] : 1.f;
-    rc.a_even = __fmul_rn(x.s_even, rs);
-    rc.a_odd = __fmul_rn(x.s_odd, rs);
+    rc.entry = pre.entry;
+    rc.a_even = __fmul_rn(x.s_even, pre.rs);
+    rc.a_odd = __fmul_rn(x.s_odd, pre.rs);
     return rc;
+  }
+  __device__ __forceinline__ static RowCtx row_ctx(const Params& p, const GemmProblem& g, const ExpertCtx& x, int r) {
+    return row_ctx(p, x, r, row_pre(p, g, r));
   }
   // A gated activation's a at column col / 2 (col even, < N1: the pair gate | up in the prepared order), in
   // float before its bf16 rounding.
@@ -162,8 +173,17 @@ struct Epilogue2 {
   template <class Act> __device__ __forceinline__ static ExpertCtx expert_ctx(const Params& p, int e) {
     return ExpertCtx{__fmul_rn(p.s2[e], p.in_scale), e};
   }
+  struct RowPre {
+    int entry;
+  };
+  __device__ __forceinline__ static RowPre row_pre(const Params&, const GemmProblem& g, int r) {
+    return RowPre{entry_of(g, r)};
+  }
+  __device__ __forceinline__ static RowCtx row_ctx(const Params& p, const ExpertCtx&, int, const RowPre& pre) {
+    return RowCtx{p.out + static_cast<int64_t>(pre.entry) * p.H};
+  }
   __device__ __forceinline__ static RowCtx row_ctx(const Params& p, const GemmProblem& g, const ExpertCtx& x, int r) {
-    return RowCtx{p.out + static_cast<int64_t>(entry_of(g, r)) * p.H};
+    return row_ctx(p, x, r, row_pre(p, g, r));
   }
   template <class Act>
   __device__ __forceinline__ static void pair(const Params& p, const ExpertCtx& x, const RowCtx& rc, int col, float c0,
@@ -186,15 +206,22 @@ struct Epilogue2 {
 // rows for output columns [nb, nb + BN): the epilogue's B loads then wait on L2, not HBM (a large layer's adapters
 // do not stay in L2 between calls). Rows of one slot together cover all the block's B rows; a tile of mixed slots
 // covers part of each. The epilogue must __syncthreads() before reading rows.
+// With t0 (not null), the row's first 16 t values as bf16x2 words (t0[i][w] = (t[2w], t[2w + 1]), zero at k >= r)
+// go to shared memory too: the first k16 step's t operand without a global load in the epilogue.
 template <class Cfg, class Epi, class Act>
 __device__ __forceinline__ void lora_lookup_rows(const GemmProblem& g, const typename Epi::Params& ep,
-                                                 const TileRows& tr, int nb, dev::LoraRowRef* rows) {
+                                                 const TileRows& tr, int nb, dev::LoraRowRef* rows,
+                                                 uint32_t (*t0)[8] = nullptr) {
   static_assert(Cfg::THREADS >= Cfg::BM, "one thread a tile row");
   const int i = Cfg::THREADS - 1 - static_cast<int>(threadIdx.x);
   if (i >= Cfg::BM) return;
   dev::LoraRowRef rr;
   if (tr.row0 + i < tr.row_end) rr = dev::lora_row_ref(ep.lora, entry_of(g, tr.row0 + i), ep.token_div);
   rows[i] = rr;
+  if (t0) {
+#pragma unroll
+    for (int w = 0; w < 8; ++w) t0[i][w] = dev::lora_t_pair(rr.t, rr.r, 2 * w);
+  }
   if (rr.slot < 0) return;
   constexpr int kRowsEach = (Cfg::BN + Cfg::BM - 1) / Cfg::BM;
   const int N = Epi::cols(ep);

@@ -83,7 +83,7 @@ template <class Cfg> constexpr int kSkinnyMinBlocks =
 // block's amax is taken over lanes t, t + 8, t + 16, t + 24, and each value is quantized as quantize_block does
 // (nvfp4_device.cuh), so out holds the same bits as GEMM1 then quantize_blocks_kernel. act_out keeps a.
 template <class Act, int ACCS, int RG>
-__device__ __forceinline__ void fused_a4_store(const Epilogue1Params& ep, const GemmProblem& g,
+__device__ __forceinline__ void fused_a4_store(const Epilogue1Params& ep, const Epilogue1::RowPre* row_pre,
                                                const Epilogue1::ExpertCtx& x, const TileRows& tr, int i, int n0,
                                                const float (&acc)[ACCS][4], const float (&nb)[RG][4],
                                                const float (&dl)[RG][4], const float (&dn)[RG][4]) {
@@ -93,7 +93,7 @@ __device__ __forceinline__ void fused_a4_store(const Epilogue1Params& ep, const 
     const int row = tr.row0 + i * 8 + 2 * t + tk;
     const bool mine = (gq & 1) == 0 && row < tr.row_end && n0 < ep.N1;  // N1 = 2I: a warp's rows all in or all out
     Epilogue1::RowCtx rc{};
-    if (mine) rc = Epilogue1::row_ctx(ep, g, x, row);
+    if (mine) rc = Epilogue1::row_ctx(ep, x, row, row_pre[row - tr.row0]);
     uint16_t ab[RG][2];
     float amax = 0.f;
     bool non_finite = false;
@@ -153,8 +153,22 @@ __global__ void __launch_bounds__(Cfg::THREADS, kSkinnyMinBlocks<Cfg>)
   // LoRA: each tile row's slot and shrink row (and its B rows asked of L2) while the first stages load; the
   // epilogue reads them after the loop. In the epilogue, group by group, the lookups made each group's expand wait
   // one more chain: kimi_k3_tp8 T=4096's GEMM2 took 1760 us with LoRA against 872 without (ncu).
+  // Tiles of 32+ rows also keep each row's first-step t operand in shared memory (lora_lookup_rows' t0); the 8-row
+  // tile cannot spare the 256 bytes (five blocks an SM fill its shared memory to 1.1 KB).
+  constexpr bool kStageT0 = Cfg::BM >= 32;
   __shared__ dev::LoraRowRef s_lora_rows[Cfg::BM];
-  if (ep.lora.table) lora_lookup_rows<Cfg, Epi, Act>(g, ep, tr, static_cast<int>(blockIdx.y) * Cfg::BN, s_lora_rows);
+  __shared__ uint32_t s_lora_t0[kStageT0 ? Cfg::BM : 1][8];
+  if (ep.lora.table)
+    lora_lookup_rows<Cfg, Epi, Act>(g, ep, tr, static_cast<int>(blockIdx.y) * Cfg::BN, s_lora_rows,
+                                    kStageT0 ? s_lora_t0 : nullptr);
+  // Likewise each tile row's epilogue loads (Epi::row_pre: entry, token scale): in the epilogue they were a chain of
+  // dependent loads per token group, which the A4 fused epilogue's lane exchanges kept from overlapping (kimi_k3_tp8
+  // A4 T=1024: GEMM1 +58 us with them in the epilogue, ncu).
+  __shared__ typename Epi::RowPre s_row_pre[Cfg::BM];
+  {
+    const int i = Cfg::THREADS - 1 - static_cast<int>(threadIdx.x);
+    if (i < Cfg::BM && tr.row0 + i < tr.row_end) s_row_pre[i] = Epi::row_pre(ep, g, tr.row0 + i);
+  }
 
   // Split-K: this block's chunk sums go to partials[tile][chunk][thread] (tile = blockIdx.x, y).
   const int chunks = (KB + kChunkBlocks - 1) / kChunkBlocks;
@@ -303,7 +317,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, kSkinnyMinBlocks<Cfg>)
   // pairs (even, odd) of one row: row g + 1's values come from lane + 4.
   const auto x = Epi::template expert_ctx<Act>(ep, tr.expert);
   const int N = Epi::cols(ep);
-  if (ep.lora.table) __syncthreads();  // s_lora_rows (block-uniform: every thread gets here or none)
+  __syncthreads();  // s_lora_rows, s_row_pre (block-uniform: every thread gets here or none)
   int cached_slot = -1, crk = 0;  // warp-uniform: the slot whose B (rank crk, this expert) the fragments hold
   const uint16_t* cB = nullptr;
   uint32_t bfrag0[RG][4];         // its first k16 step's A operand (B rows n0 + 16r + g, + 8)
@@ -329,7 +343,14 @@ __global__ void __launch_bounds__(Cfg::THREADS, kSkinnyMinBlocks<Cfg>)
       const int sel0 = __shfl_sync(0xffffffffu, rr.slot, 8 * t), sel1 = __shfl_sync(0xffffffffu, rr.slot, 8 * t + 4);
       // The first step's t operand, by the token's own rank: the same values as by the pass's slot rank for the
       // tokens that keep the pass's result; the other columns are discarded.
-      const uint32_t tb0[2] = {dev::lora_t_pair(rr.t, rr.r, 2 * t), dev::lora_t_pair(rr.t, rr.r, 2 * t + 8)};
+      uint32_t tb0[2];
+      if constexpr (kStageT0) {
+        tb0[0] = s_lora_t0[i * 8 + gq][t];  // k = 2t, 2t + 1
+        tb0[1] = s_lora_t0[i * 8 + gq][t + 4];  // k = 2t + 8, 2t + 9
+      } else {
+        tb0[0] = dev::lora_t_pair(rr.t, rr.r, 2 * t);
+        tb0[1] = dev::lora_t_pair(rr.t, rr.r, 2 * t + 8);
+      }
       const int keys[1] = {rr.slot};
       dev::for_each_slot(keys, [&](int s) {
         if (s != cached_slot) {
@@ -374,7 +395,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, kSkinnyMinBlocks<Cfg>)
       }
     if constexpr (std::is_same_v<Epi, Epilogue1> && kGatedAct<Act> && RG == 2) {
       if (ep.a_quant_gs > 0.f) {  // A4 fused (block-uniform)
-        fused_a4_store<Act>(ep, g, x, tr, i, n0, acc, nb, dl, dn);
+        fused_a4_store<Act>(ep, s_row_pre, x, tr, i, n0, acc, nb, dl, dn);
         continue;
       }
     }
@@ -383,7 +404,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, kSkinnyMinBlocks<Cfg>)
       for (int tk = 0; tk < 2; ++tk) {
         const int row = tr.row0 + i * 8 + 2 * t + tk;
         if (row >= tr.row_end) continue;
-        const auto rc = Epi::row_ctx(ep, g, x, row);
+        const auto rc = Epi::row_ctx(ep, x, row, s_row_pre[row - tr.row0]);
 #pragma unroll
         for (int r = 0; r < RG; ++r) {
           const int a = i * RG + r;
