@@ -242,7 +242,7 @@ __device__ __forceinline__ void lora_lookup_rows(const GemmProblem& g, const typ
 template <class Cfg, class Epi, class Act>
 __device__ __forceinline__ void tile_epilogue(const typename Epi::Params& p, const GemmProblem& g,
                                               const MainLoop<Cfg>& ml, const TileRows& tr, int n0,
-                                              const dev::LoraRowRef* lora_rows) {
+                                              const dev::LoraRowRef* lora_rows, const uint32_t (*lora_t0)[8]) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gq = lane >> 2, t = lane & 3;
   const int wm = warp / Cfg::WARPS_N, wn = warp % Cfg::WARPS_N;
   const int N = Epi::cols(p);
@@ -252,6 +252,7 @@ __device__ __forceinline__ void tile_epilogue(const typename Epi::Params& p, con
   for (int mt = 0; mt < Cfg::MT; ++mt) {
     typename Epi::RowCtx rc[2];
     dev::LoraRowRef rr[2];
+    int lr[2] = {0, 0};  // the rows' indices in the tile (lora_rows, lora_t0)
     bool valid[2];
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -259,7 +260,8 @@ __device__ __forceinline__ void tile_epilogue(const typename Epi::Params& p, con
       valid[half] = r < tr.row_end;
       if (!valid[half]) continue;
       rc[half] = Epi::row_ctx(p, g, x, r);
-      if (p.lora.table) rr[half] = lora_rows[r - tr.row0];
+      lr[half] = r - tr.row0;
+      if (p.lora.table) rr[half] = lora_rows[lr[half]];
     }
     // The LoRA deltas of the warp's 16 x WTN outputs of this mt: one pass per adapter present in the 16 rows.
     float dl[Cfg::NT][4];
@@ -279,6 +281,13 @@ __device__ __forceinline__ void tile_epilogue(const typename Epi::Params& p, con
           dev::lora_mma(
               d, rk,
               [&](int k0, uint32_t a[4]) {
+                if (k0 == 0) {  // staged by lora_lookup_rows (by each row's own rank: other rows are discarded)
+                  a[0] = lora_t0[lr[0]][t];
+                  a[1] = lora_t0[lr[1]][t];
+                  a[2] = lora_t0[lr[0]][t + 4];
+                  a[3] = lora_t0[lr[1]][t + 4];
+                  return;
+                }
                 a[0] = dev::lora_t_pair(rr[0].t, rk, k0 + 2 * t);
                 a[1] = dev::lora_t_pair(rr[1].t, rk, k0 + 2 * t);
                 a[2] = dev::lora_t_pair(rr[0].t, rk, k0 + 2 * t + 8);
@@ -316,11 +325,12 @@ __global__ void __launch_bounds__(Cfg::THREADS) grouped_gemm_kernel(GemmProblem 
 
   TileLoader<Cfg> ld(g, tr, n0, 0);
   __shared__ dev::LoraRowRef s_lora_rows[Cfg::BM];
+  __shared__ uint32_t s_lora_t0[Cfg::BM][8];
   MainLoop<Cfg> ml;
   ml.run(smem, ld, static_cast<int>(g.B.Kp / Cfg::BK), [&] {
-    if (ep.lora.table) lora_lookup_rows<Cfg, Epi, Act>(g, ep, tr, n0, s_lora_rows);
+    if (ep.lora.table) lora_lookup_rows<Cfg, Epi, Act>(g, ep, tr, n0, s_lora_rows, s_lora_t0);
   });
-  tile_epilogue<Cfg, Epi, Act>(ep, g, ml, tr, n0, s_lora_rows);
+  tile_epilogue<Cfg, Epi, Act>(ep, g, ml, tr, n0, s_lora_rows, s_lora_t0);
 }
 
 }  // namespace fp4moe::cuda_backend
