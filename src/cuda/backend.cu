@@ -585,11 +585,11 @@ void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& a
     return L;
   };
 
-  // A4: GEMM1's bf16 output a [rows, width] -> NVFP4 values in place, with the FC2 input encode scale
-  // (row_count: the routed rows actually present, on the device; null: all rows).
   // A4 without LoRA (whose shrink reads a before the rounding) on a tile that can: GEMM1 writes a's NVFP4 values
   // itself (one launch less; the same bits, gemm_skinny.cuh fused_a4_store).
   const bool a4_fused = a4 && !lora && gemm_a4_fusable(plan.gemm_config, s.activation);
+  // A4: GEMM1's bf16 output a [rows, width] -> NVFP4 values in place, with the FC2 input encode scale
+  // (row_count: the routed rows actually present, on the device; null: all rows).
   auto quantize_fc2_input = [&](uint16_t* a, int64_t width, int rows, const int32_t* row_count) {
     QuantizeParams qp;
     qp.x = a;
