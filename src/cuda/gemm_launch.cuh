@@ -21,6 +21,15 @@ template <int I> constexpr bool matches_plan() {
 }
 static_assert(kNumGemmConfigs == 4 && matches_plan<0>() && matches_plan<1>() && matches_plan<2>() && matches_plan<3>(),
               "ConfigOf differs from plan.h kGemmConfigs");
+// The host's A4 fusion flag (kernels.h gemm_a4_fusable) must name exactly the tiles whose kernel quantizes a
+// (skinny_gemm_kernel: weights as A, two row groups of 16 a warp), or a would reach GEMM2 unquantized or twice.
+template <int I> constexpr bool a4_fusion_matches() {
+  using C = typename ConfigOf<I, true>::type;
+  constexpr bool kernel_fuses = C::WEIGHTS_AS_A && C::BN == 32 * C::WARPS_N;
+  return gemm_a4_fusable(I, ActivationType::Swiglu) == kernel_fuses && !gemm_a4_fusable(I, ActivationType::Silu);
+}
+static_assert(a4_fusion_matches<0>() && a4_fusion_matches<1>() && a4_fusion_matches<2>() && a4_fusion_matches<3>(),
+              "gemm_a4_fusable differs from the kernels' fused A4 epilogue");
 
 template <class Cfg, class Epi, class Act>
 void launch_grouped(const GemmProblem& g, const typename Epi::Params& ep, int n_tiles, int m_tiles, cudaStream_t stream) {

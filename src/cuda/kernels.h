@@ -228,8 +228,9 @@ struct Epilogue2Params {
 };
 
 // Whether GEMM1 on tile `config` quantizes a itself in A4 (Epilogue1Params::a_quant_gs, gemm_skinny.cuh
-// fused_a4_store): the weights-as-A tiles with two row groups of 16 a warp (mma.sync), gated activations.
-inline bool gemm_a4_fusable(int config, ActivationType a) {
+// fused_a4_store): the weights-as-A tiles with two row groups of 16 a warp (mma.sync), gated activations. (The kernel's
+// own condition is checked against this one at compile time: gemm_launch.cuh.)
+constexpr bool gemm_a4_fusable(int config, ActivationType a) {
   const GemmConfig& c = kGemmConfigs[config];
   return c.weights_as_a && !c.wgmma && c.bn == 32 * c.warps_n && is_gated(a);
 }
