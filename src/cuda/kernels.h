@@ -81,8 +81,7 @@ struct LoraExpandParams {
 };
 
 // Shrink of x (before GEMM1), blocks (token, item) of the chunk, an item rows_per_item rank rows of one A (lora.cu).
-// Resolves adapter_ids[t] into
-// token_slot[t] (out-of-range or empty: -1 and error flag 3), then
+// Resolves adapter_ids[t] into token_slot[t] (out-of-range or empty: -1 and error flag 3), then
 //   t1[t*k + j][i] = bf16(x_t . A1_e[i])  for each local slot j (a_shared: once, in row t*k),
 //   st1[t][i]      = bf16(x_t . sA1[i])   when the call has a shared expert.
 struct LoraShrink1Params {

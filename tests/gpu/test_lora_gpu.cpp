@@ -254,8 +254,8 @@ TEST(GpuLora, NonGatedRelu2) {
 }
 
 // Mixtral's I = 14336: the shrink of a (K = I) has 28 chunks of kKChunk, more than one round of the shrink
-// kernels' partial sums (src/cuda/lora.cu block_shrink carries the sum across rounds). Written in session 9 after
-// its device time ran out: first run in the next session.
+// kernels' partial sums (src/cuda/lora.cu block_shrink carries the sum across rounds). First run on the H200 in
+// session 10 (bench/results/2026-11-30-h200-session10/r1): passes.
 TEST(GpuLora, MixtralLongKShrink) {
   FP4MOE_SKIP_WITHOUT_GPU();
   Case c;
