@@ -55,6 +55,8 @@ struct GemmConfig {
   bool weights_as_a = false;        // src/cuda/gemm_skinny.cuh: weights as the mma A operand, bn / warps_n rows a warp
   bool wgmma = false;               // the sm_90a warpgroup MMA (src/cuda/wgmma.cuh): ProblemShape::wgmma devices only;
                                     // its chunk sums live in shared memory (src/cuda/gemm_skinny.cuh)
+  bool producer = false;            // a producer warp issues the copies (src/cuda/gemm_mainloop.cuh WsPipe): the
+                                    // block has threads() math threads and 32 more
   constexpr int threads() const { return 32 * warps_m * warps_n; }
 };
 
@@ -157,7 +159,7 @@ constexpr int64_t kSplitTargetBlocks = 528;
 // warp's serial walk: at 1024 entries 32 steps.)
 constexpr int64_t kOneBlockPermEntries = 1024;
 
-constexpr int kNumGemmConfigs = 4;
+constexpr int kNumGemmConfigs = 5;
 inline constexpr GemmConfig kGemmConfigs[kNumGemmConfigs] = {
     {8, 128, 64, 1, 4, 8, true},   // decode: <= 8 rows per expert tile, 32 weight rows a warp, many bytes in flight
     {32, 128, 64, 1, 4, 6, true},  // up to 512 rows an expert (plan.cpp), in tiles of <= 32 rows
@@ -165,6 +167,9 @@ inline constexpr GemmConfig kGemmConfigs[kNumGemmConfigs] = {
     // sm_90a: two warpgroups, each 64 weight rows (register A) x the 64 tokens (shared B) with wgmma. (128 tokens
     // measured slower on the H200, both with two warpgroups, one block an SM, and with one, two blocks: run 3, 5.)
     {64, 128, 64, 1, 8, 4, true, true},
+    // sm_90a, many rows an expert: 128 tokens a wgmma (half the decode a FLOP of the tile above), a producer warp
+    // for the copies, one block an SM (the registers: 64 accumulators a thread; the chunk sums: 64 KB).
+    {128, 128, 64, 1, 8, 4, true, true, true},
 };
 // The stage bytes of a tile (tokens, weights, their scales) and its dynamic shared memory: a wgmma tile's stages
 // start 1024-byte aligned (the 128-byte swizzle's atom), with 1 KB to align the base (src/cuda/gemm_mainloop.cuh).

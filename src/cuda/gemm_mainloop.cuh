@@ -17,14 +17,16 @@
 namespace fp4moe::cuda_backend {
 
 // WEIGHTS_AS_A: the block tile of gemm_skinny.cuh (same stages, tokens as the mma B operand); WGMMA: its sm_90a
-// form (wgmma.cuh), stages 1024-byte aligned.
+// form (wgmma.cuh), stages 1024-byte aligned; PRODUCER: the copies are a producer warp's of its own (the block has
+// THREADS math threads and one more warp; WsPipe).
 template <int BM_, int BN_, int WARPS_M_, int WARPS_N_, int STAGES_, bool FP4_, bool WEIGHTS_AS_A_ = false,
-          bool WGMMA_ = false>
+          bool WGMMA_ = false, bool PRODUCER_ = false>
 struct TileConfig {
   static constexpr int BM = BM_, BN = BN_, BK = 64, WARPS_M = WARPS_M_, WARPS_N = WARPS_N_, STAGES = STAGES_;
-  static constexpr bool FP4 = FP4_, WEIGHTS_AS_A = WEIGHTS_AS_A_, WGMMA = WGMMA_;
-  static constexpr GemmConfig kPlan{BM, BN, BK, WARPS_M, WARPS_N, STAGES, WEIGHTS_AS_A, WGMMA};  // plan.h's view
-  static constexpr int THREADS = 32 * WARPS_M * WARPS_N;
+  static constexpr bool FP4 = FP4_, WEIGHTS_AS_A = WEIGHTS_AS_A_, WGMMA = WGMMA_, PRODUCER = PRODUCER_;
+  static constexpr GemmConfig kPlan{BM, BN, BK, WARPS_M, WARPS_N, STAGES, WEIGHTS_AS_A, WGMMA, PRODUCER};  // plan.h's
+  static constexpr int THREADS = 32 * WARPS_M * WARPS_N;                 // the math threads
+  static constexpr int BLOCK_THREADS = THREADS + (PRODUCER ? 32 : 0);  // and the producer warp
   static constexpr int WTM = BM / WARPS_M, WTN = BN / WARPS_N;  // warp tile
   static constexpr int MT = WTM / 16, NT = WTN / 8;             // mma tiles per warp
   static constexpr int B_ROW_BYTES = FP4 ? 32 : 128;            // one row's 64 K of prepared weights
@@ -39,6 +41,7 @@ struct TileConfig {
   static_assert((BM * 8) % THREADS == 0 || BM * 8 < THREADS, "A chunks per thread");
   static_assert(B_BYTES % 16 == 0 && SF_BYTES % 16 == 0, "16-byte chunks");
   static_assert(!WGMMA || (WEIGHTS_AS_A && WARPS_N % 4 == 0 && A_BYTES % 1024 == 0), "wgmma: warpgroups, aligned B");
+  static_assert(!PRODUCER || WGMMA, "a producer warp feeds the wgmma tile (WsPipe's proxy fence, the kernel's loop)");
 };
 
 // The stages' base in the dynamic shared memory: a wgmma tile's is rounded up to 1024 bytes (SMEM_BYTES holds
@@ -110,13 +113,16 @@ template <class C> struct TileLoader {
 #else
   static constexpr bool kBulk = false;
 #endif
-  static constexpr int B_CHUNKS = kBulk ? 0 : C::B_BYTES / 16 / C::THREADS;
-  static_assert(kBulk || (C::B_BYTES / 16) % C::THREADS == 0, "whole weight chunks per thread");
+  // The loading threads: the producer warp (PRODUCER tiles) or every thread; tid() is the index among them.
+  static constexpr int LT = C::PRODUCER ? 32 : C::THREADS;
+  __device__ static int tid() { return static_cast<int>(threadIdx.x) - (C::PRODUCER ? C::THREADS : 0); }
+  static constexpr int B_CHUNKS = kBulk ? 0 : C::B_BYTES / 16 / LT;
+  static_assert(kBulk || ((C::B_BYTES / 16) % LT == 0 && C::SF_BYTES / 16 <= LT), "whole weight chunks per thread");
   // The token chunks (16 bytes: 8 a row and k-block) go to warp 0 alone when they are few (8 rows: two a lane),
   // so that the other warps skip the copy issue with one branch; else to every thread. A tile's row i is
   // permuted row row0 + i, whose token row is its entry / gather_k (or the row itself); rows past the tile's end
   // are zero-filled, and so are columns past K.
-  static constexpr int A_THREADS = C::BM * 8 <= 64 ? 32 : C::THREADS;
+  static constexpr int A_THREADS = C::BM * 8 <= 64 ? 32 : LT;
   static constexpr int A_CHUNKS = C::BM * 8 / A_THREADS;
   static_assert(C::BM * 8 % A_THREADS == 0, "whole token chunks per thread");
   const uint8_t* a_src[A_CHUNKS];  // this thread's token chunk at the next k-block
@@ -132,7 +138,7 @@ template <class C> struct TileLoader {
   // tr: the tile's expert and rows (TileRows); n0: its first weight row; kb0: the first k-block to load.
   template <class Rows>
   __device__ __forceinline__ TileLoader(const GemmProblem& g, const Rows& tr, int n0, int kb0) {
-    const int tid = threadIdx.x;
+    const int tid = TileLoader::tid();
 #pragma unroll
     for (int i = 0; i < A_CHUNKS; ++i) {
       const int c = tid % A_THREADS + i * A_THREADS, row = c >> 3, ch = c & 7;
@@ -162,7 +168,7 @@ template <class C> struct TileLoader {
       constexpr int kRowChunks = C::B_ROW_BYTES / 16;
 #pragma unroll
       for (int i = 0; i < B_CHUNKS; ++i) {
-        const int c = tid + i * C::THREADS;
+        const int c = tid + i * LT;
         b_on[i] = c / kRowChunks < rows;
         b_off[i] = (b_on[i] ? c : c % kRowChunks) * 16;
       }
@@ -174,7 +180,8 @@ template <class C> struct TileLoader {
   // Issues the copies of the next k-block into the stage at shared address sstage (bulk ones completing on bar).
   __device__ __forceinline__ void load_next(uint32_t sstage, uint32_t bar) {
     const uint32_t sB = sstage + C::A_BYTES, sSF = sB + C::B_BYTES;
-    if (A_THREADS == C::THREADS || threadIdx.x < A_THREADS) {
+    const int tid = TileLoader::tid();
+    if (A_THREADS == LT || tid < A_THREADS) {
 #pragma unroll
       for (int i = 0; i < A_CHUNKS; ++i) {
         const bool ok = a_left[i] > 0;
@@ -183,7 +190,7 @@ template <class C> struct TileLoader {
         --a_left[i];
       }
       if constexpr (kBulk) {
-        if (threadIdx.x == 0) {
+        if (tid == 0) {
           dev::mbar_arrive_expect_tx(bar, b_bytes + s_bytes);
           dev::bulk_copy_g2s(sB, b_src, b_bytes, bar);
           if constexpr (C::FP4) dev::bulk_copy_g2s(sSF, s_src, s_bytes, bar);
@@ -194,9 +201,9 @@ template <class C> struct TileLoader {
       (void)bar;
 #pragma unroll
       for (int i = 0; i < B_CHUNKS; ++i)
-        dev::cp_async16(sB + (threadIdx.x + i * C::THREADS) * 16, b_src + b_off[i], b_on[i]);
+        dev::cp_async16(sB + (tid + i * LT) * 16, b_src + b_off[i], b_on[i]);
       if constexpr (C::FP4)
-        if (threadIdx.x < C::SF_BYTES / 16) dev::cp_async16(sSF + threadIdx.x * 16, s_src, s_on);
+        if (tid < C::SF_BYTES / 16) dev::cp_async16(sSF + tid * 16, s_src, s_on);
     }
     b_src += b_stride;
     if constexpr (C::FP4) s_src += s_stride;
@@ -210,18 +217,19 @@ template <class C> struct TileLoader {
   }
 };
 
-// The STAGES-deep pipeline of a block tile: stage s is bytes [s * STAGE_BYTES, +STAGE_BYTES) of the dynamic
-// shared memory, its weights complete on barrier s (phase n: its n-th load). next() waits for the k-block after
-// the last one returned and issues the copies kAhead k-blocks ahead, into the stage of k-block j + kAhead - STAGES:
-// STAGES - 1 ahead (the stage every thread finished reading before this k-block's __syncthreads), or STAGES - 2
-// ahead for wgmma tiles, whose wgmmas may still read the previous k-block's stage (they are waited for one
-// k-block later, before the __syncthreads that frees it).
+// The STAGES-deep pipeline of a block tile whose threads all load and all compute: stage s is bytes
+// [s * STAGE_BYTES, +STAGE_BYTES) of the dynamic shared memory, its weights complete on barrier s (phase n: its n-th
+// load). next() waits for the k-block after the last one returned and issues the copies kAhead k-blocks ahead,
+// into the stage of k-block j + kAhead - STAGES: STAGES - 1 ahead (the stage every thread finished reading before
+// this k-block's __syncthreads), or STAGES - 2 ahead for wgmma tiles, whose wgmmas may still read the previous
+// k-block's stage (they are waited for one k-block later, before the __syncthreads that frees it).
 template <class C> struct StagePipe {
+  static_assert(!C::PRODUCER, "tiles with a producer warp use WsPipe");
   static constexpr int kAhead = C::STAGES - 1 - (C::WGMMA ? 1 : 0);  // k-blocks loaded ahead of the one read
   static_assert(kAhead >= 1, "stages");
   uint32_t sbase, bar0;
-  int rd = 0, wr = kAhead, left;  // stage to read next, stage to load next, k-blocks still to load
-  uint32_t ph = 0;                // parity of the phase of stage rd to wait for
+  int rd = 0, left;  // stage to read next (the stage to load next is kAhead after it), k-blocks still to load
+  uint32_t ph = 0;   // parity of the phase of stage rd to wait for
 
   __device__ __forceinline__ StagePipe(uint8_t* smem, TileLoader<C>& ld, int nkb) {
     __shared__ __align__(8) uint64_t bars[C::STAGES];
@@ -248,16 +256,120 @@ template <class C> struct StagePipe {
     __syncthreads();
     const uint32_t sstage = sbase + rd * C::STAGE_BYTES;
     ld.wait_weights(bar0 + 8 * rd, ph);
+    const int wr = rd + kAhead < C::STAGES ? rd + kAhead : rd + kAhead - C::STAGES;
     if (left > 0) ld.load_next(sbase + wr * C::STAGE_BYTES, bar0 + 8 * wr);
     dev::cp_async_commit();
     --left;
-    if constexpr (kAhead == C::STAGES - 1) wr = rd;
-    else wr = wr == C::STAGES - 1 ? 0 : wr + 1;
     ph ^= rd == C::STAGES - 1 ? 1u : 0u;
     rd = rd == C::STAGES - 1 ? 0 : rd + 1;
     return sstage;
   }
 };
+
+// The pipeline of a tile with a producer warp (C::PRODUCER; the wgmma tile): the producer warp issues every copy
+// (tokens by cp.async, 16 a lane and k-block; weights and scales by bulk copies) and leaves; the math warps only
+// wait for stages and hand them back. Stage s has two barriers: full (its lanes' cp.async arrivals and the bulk
+// copies' bytes) and empty (one arrival a math warp once its wgmmas have read the stage). No __syncthreads in the
+// loop: a warp waits only for the stage it reads or, the producer, the one it refills (H200 ncu of the wgmma tile
+// with every thread copying, session 8 run 4: 197 instructions a k-block a warp for 4 wgmmas, of which ~60 decode;
+// the copies, the block barrier and its waits were most of the rest).
+template <class C> struct WsPipe {
+  static_assert(C::PRODUCER && C::THREADS % 32 == 0, "producer warp");
+  uint32_t sbase, full0, empty0;
+  int rd = 0;                // stage to read next
+  uint32_t ph = 0;           // parity of its full barrier's phase to wait for
+  int cur = -1, prev = -1;   // the stages of the last two k-blocks returned that are not handed back yet
+
+  // Every thread of the block (the barriers' initialization, then one __syncthreads).
+  __device__ __forceinline__ explicit WsPipe(uint8_t* smem) {
+    __shared__ __align__(8) uint64_t bars[2 * C::STAGES];
+    sbase = dev::smem_addr(smem);
+    full0 = dev::smem_addr(bars);
+    empty0 = full0 + 8 * C::STAGES;
+    if (threadIdx.x < C::STAGES) {
+      dev::mbar_init(full0 + 8 * threadIdx.x, 32 + (TileLoader<C>::kBulk ? 1 : 0));
+      dev::mbar_init(empty0 + 8 * threadIdx.x, C::THREADS / 32);
+    }
+    dev::mbar_init_fence();
+    __syncthreads();
+  }
+  __device__ static bool producer() { return threadIdx.x >= C::THREADS; }
+
+  // The producer warp: loads k-blocks [kb0, kb0 + nkb) into stages 0, 1, ..., each once the math warps handed it
+  // back (empty barrier; a fresh barrier's phase "before the first" counts as complete, hence parity 1 first).
+  template <class Rows>
+  __device__ __forceinline__ void produce(const GemmProblem& g, const Rows& tr, int n0, int kb0, int nkb) {
+    TileLoader<C> ld(g, tr, n0, kb0);
+    int s = 0;
+    uint32_t eph = 1;
+    for (int j = 0; j < nkb; ++j) {
+      dev::mbar_wait(empty0 + 8 * s, eph);
+      ld.load_next(sbase + s * C::STAGE_BYTES, full0 + 8 * s);
+      dev::cp_async_mbar_arrive(full0 + 8 * s);
+      if (++s == C::STAGES) s = 0, eph ^= 1u;
+    }
+    dev::cp_async_wait<0>();
+  }
+
+  // A math warp: the shared-space address of the next k-block's stage, its copies landed. The tokens came by
+  // cp.async (the generic proxy) and wgmma reads them through the async proxy: the PTX memory model asks for the
+  // proxy fence between (here, after the barrier that orders them).
+  __device__ __forceinline__ uint32_t next() {
+    dev::mbar_wait(full0 + 8 * rd, ph);
+    if constexpr (C::WGMMA) dev::fence_proxy_async();
+    prev = cur;
+    cur = rd;
+    ph ^= rd == C::STAGES - 1 ? 1u : 0u;
+    rd = rd == C::STAGES - 1 ? 0 : rd + 1;
+    return sbase + cur * C::STAGE_BYTES;
+  }
+  // After wgmma_wait<1>: the wgmmas of every k-block but the last one returned are done; hands back the stage
+  // before it.
+  __device__ __forceinline__ void release_older() {
+    if (prev >= 0 && (threadIdx.x & 31) == 0) dev::mbar_arrive(empty0 + 8 * prev);
+    prev = -1;
+  }
+  // After wgmma_wait<0>: hands back every stage held.
+  __device__ __forceinline__ void release_all() {
+    release_older();
+    if (cur >= 0 && (threadIdx.x & 31) == 0) dev::mbar_arrive(empty0 + 8 * cur);
+    cur = -1;
+  }
+};
+
+// The copies of a skinny tile behind one interface: every thread loading (TileLoader + StagePipe), or the producer
+// warp (WsPipe; the kernel sends the producer warp to produce() and the math warps on). next() returns the next
+// k-block's stage; the release calls hand stages back (no-ops without a producer: __syncthreads frees them).
+template <class C, bool = C::PRODUCER> struct TilePipeline {
+  TileLoader<C> ld;
+  StagePipe<C> pipe;
+  template <class Rows>
+  __device__ __forceinline__ TilePipeline(uint8_t* smem, const GemmProblem& g, const Rows& tr, int n0, int kb0,
+                                          int nkb)
+      : ld(g, tr, n0, kb0), pipe(smem, ld, nkb) {}
+  __device__ __forceinline__ uint32_t sbase() const { return pipe.sbase; }
+  __device__ __forceinline__ uint32_t next() { return pipe.next(ld); }
+  __device__ __forceinline__ void release_older() {}
+  __device__ __forceinline__ void release_all() {}
+  __device__ __forceinline__ void finish() { dev::cp_async_wait<0>(); }
+};
+template <class C> struct TilePipeline<C, true> {
+  WsPipe<C> pipe;
+  template <class Rows>
+  __device__ __forceinline__ TilePipeline(uint8_t* smem, const GemmProblem&, const Rows&, int, int, int)
+      : pipe(smem) {}
+  __device__ __forceinline__ uint32_t sbase() const { return pipe.sbase; }
+  __device__ __forceinline__ uint32_t next() { return pipe.next(); }
+  __device__ __forceinline__ void release_older() { pipe.release_older(); }
+  __device__ __forceinline__ void release_all() { pipe.release_all(); }
+  __device__ __forceinline__ void finish() {}
+};
+
+// __syncthreads for the math threads (a tile with a producer warp: that warp has left; named barrier 1).
+template <class C> __device__ __forceinline__ void math_sync() {
+  if constexpr (C::PRODUCER) asm volatile("bar.sync 1, %0;\n" ::"n"(C::THREADS) : "memory");
+  else __syncthreads();
+}
 
 template <class Cfg> struct MainLoop {
   using C = Cfg;

@@ -30,8 +30,8 @@ namespace fp4moe::cuda_backend {
 // WGMMA (sm_90a, RG = 1): each warpgroup multiplies its 64 weight rows (register A, the same fragments) by all BM
 // tokens (shared B) with one wgmma m64nBMk16 a k16 step; the accumulators are the same fragments as BM / 8 token
 // groups of mma.sync, so the split-K and epilogue code below serve both.
-template <int BM, int WARPS, int STAGES, bool FP4, int RG = 2, bool WGMMA = false>
-using SkinnyConfig = TileConfig<BM, 16 * RG * WARPS, 1, WARPS, STAGES, FP4, true, WGMMA>;
+template <int BM, int WARPS, int STAGES, bool FP4, int RG = 2, bool WGMMA = false, bool PRODUCER = false>
+using SkinnyConfig = TileConfig<BM, 16 * RG * WARPS, 1, WARPS, STAGES, FP4, true, WGMMA, PRODUCER>;
 
 // One warp's A fragments (16 weight rows x one k16 step) for the 4 steps of a k-block in shared memory:
 // thread (g, t) holds rows g and g + 8 at k = 2t, 2t+1 and 2t+8, 2t+9 — in the prepared layout, the bytes
@@ -75,7 +75,7 @@ constexpr int kSkinnySmemPerSm = 228 * 1024;
 constexpr int kSkinnySmemPerSm = 0;
 #endif
 template <class Cfg> constexpr int kSkinnyMinBlocks =
-    Cfg::WGMMA ? 2 : std::max(1, kSkinnySmemPerSm / (Cfg::SMEM_BYTES + 1024));
+    Cfg::PRODUCER ? 1 : Cfg::WGMMA ? 2 : std::max(1, kSkinnySmemPerSm / (Cfg::SMEM_BYTES + 1024));
 
 // GEMM1's epilogue with a's A4 quantization fused (Epilogue1Params::a_quant_gs; gated activations, two row groups a
 // warp): the warp's 32 weight rows n0.. are 16 gate | up pairs, a's columns n0 / 2 .. + 15 — one NVFP4 block (n0 is
@@ -135,7 +135,7 @@ __device__ __forceinline__ void fused_a4_store(const Epilogue1Params& ep, const 
 }
 
 template <class Cfg, class Epi, class Act>
-__global__ void __launch_bounds__(Cfg::THREADS, kSkinnyMinBlocks<Cfg>)
+__global__ void __launch_bounds__(Cfg::BLOCK_THREADS, kSkinnyMinBlocks<Cfg>)
     skinny_gemm_kernel(GemmProblem g, typename Epi::Params ep) {
   // RG row groups of 16 weight rows per warp: the token fragments, the loads and the loop are shared by RG
   // decode streams (a decode GEMM is bound by the instructions per weight byte).
@@ -157,8 +157,13 @@ __global__ void __launch_bounds__(Cfg::THREADS, kSkinnyMinBlocks<Cfg>)
   const int KB = static_cast<int>(g.B.Kp / Cfg::BK);
   const KRange kr = k_range(KB, static_cast<int>(blockIdx.z), g.split);
   const int nkb = kr.end - kr.begin;
-  TileLoader<Cfg> ld(g, tr, static_cast<int>(blockIdx.y) * Cfg::BN, kr.begin);
-  StagePipe<Cfg> pipe(smem, ld, nkb);
+  TilePipeline<Cfg> pipe(smem, g, tr, static_cast<int>(blockIdx.y) * Cfg::BN, kr.begin, nkb);
+  if constexpr (Cfg::PRODUCER) {
+    if (pipe.pipe.producer()) {
+      pipe.pipe.produce(g, tr, static_cast<int>(blockIdx.y) * Cfg::BN, kr.begin, nkb);
+      return;  // the rest is the math warps' (math_sync, not __syncthreads)
+    }
+  }
 
   // LoRA: each tile row's slot and shrink row (and its B rows asked of L2) while the first stages load; the
   // epilogue reads them after the loop. In the epilogue, group by group, the lookups made each group's expand wait
@@ -226,8 +231,8 @@ __global__ void __launch_bounds__(Cfg::THREADS, kSkinnyMinBlocks<Cfg>)
       // for each k-block's wgmmas before the next (session8-dev run 6).
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
       auto k_block = [&](uint32_t (&w)[4][4]) {
-        const uint32_t sstage = pipe.next(ld);
-        const uint8_t* st = smem + (sstage - pipe.sbase);
+        const uint32_t sstage = pipe.next();
+        const uint8_t* st = smem + (sstage - pipe.sbase());
         weight_fragments<Cfg>(st + w_off, st + sf_off, w);
         dev::wgmma_fence_acc(part);
         dev::wgmma_fence();
@@ -235,6 +240,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, kSkinnyMinBlocks<Cfg>)
         for (int s = 0; s < 4; ++s) dev::Wgmma<Cfg::BM>::rs(part, w[s], dev::wgmma_desc_sw128(sstage + 32 * s), true);
         dev::wgmma_commit();
         dev::wgmma_wait<1>();  // the k-block before: its stage and fragment buffer are free again
+        pipe.release_older();
       };
       uint32_t wa[2][4][4];
       int kb = kc;
@@ -244,14 +250,15 @@ __global__ void __launch_bounds__(Cfg::THREADS, kSkinnyMinBlocks<Cfg>)
       }
       for (; kb < kc_end; ++kb) k_block(wa[0]);  // the odd one (a loop: an if here gave other, untested code)
       dev::wgmma_wait<0>();
+      pipe.release_all();
       dev::wgmma_fence_acc(part);
 #else
       __trap();  // the plan picks this tile on sm_90a devices only (ProblemShape::wgmma)
 #endif
     } else {
       for (int kb = kc; kb < kc_end; ++kb) {
-        const uint32_t sstage = pipe.next(ld);
-        const uint8_t* st = smem + (sstage - pipe.sbase);
+        const uint32_t sstage = pipe.next();
+        const uint8_t* st = smem + (sstage - pipe.sbase());
         uint32_t wa[RG][4][4];
 #pragma unroll
         for (int r = 0; r < RG; ++r)
@@ -284,7 +291,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, kSkinnyMinBlocks<Cfg>)
       add_chunk(acc, part, kc == 0);
     }
   }
-  dev::cp_async_wait<0>();
+  pipe.finish();
   if constexpr (Cfg::WGMMA) {
 #pragma unroll
     for (int a = 0; a < ACCS; ++a) {
@@ -296,13 +303,13 @@ __global__ void __launch_bounds__(Cfg::THREADS, kSkinnyMinBlocks<Cfg>)
   if (g.split > 1) {  // the last block of the tile adds every chunk sum in chunk order
     __shared__ int last;
     __threadfence();
-    __syncthreads();
+    math_sync<Cfg>();
     if (threadIdx.x == 0) {
       const int done = atomicAdd(g.counters + tile_lin, 1);
       last = done == g.split - 1;
       if (last) g.counters[tile_lin] = 0;  // ready for the next call
     }
-    __syncthreads();
+    math_sync<Cfg>();
     if (!last) return;
     __threadfence();
     for (int c = 0; c < chunks; ++c) {
@@ -327,7 +334,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, kSkinnyMinBlocks<Cfg>)
   // pairs (even, odd) of one row: row g + 1's values come from lane + 4.
   const auto x = Epi::template expert_ctx<Act>(ep, tr.expert);
   const int N = Epi::cols(ep);
-  __syncthreads();  // s_lora_rows, s_row_pre (block-uniform: every thread gets here or none)
+  math_sync<Cfg>();  // s_lora_rows, s_row_pre (block-uniform: every math thread gets here or none)
   int cached_slot = -1, crk = 0;  // warp-uniform: the slot whose B (rank crk, this expert) the fragments hold
   const uint16_t* cB = nullptr;
   uint32_t bfrag0[RG][4];         // its first k16 step's A operand (B rows n0 + 16r + g, + 8)

@@ -21,7 +21,7 @@
 namespace fp4moe::cuda_backend {
 namespace {
 
-constexpr int kMaxTileRows = 64;  // the largest GEMM tile's rows (plan.h kGemmConfigs)
+constexpr int kMaxTileRows = 128;  // the largest GEMM tile's rows (plan.h kGemmConfigs)
 constexpr bool tiles_fit() {
   for (const GemmConfig& c : kGemmConfigs)
     if (c.bm > kMaxTileRows) return false;
