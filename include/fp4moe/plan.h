@@ -55,8 +55,9 @@ struct GemmConfig {
   bool weights_as_a = false;        // src/cuda/gemm_skinny.cuh: weights as the mma A operand, bn / warps_n rows a warp
   bool wgmma = false;               // the sm_90a warpgroup MMA (src/cuda/wgmma.cuh): ProblemShape::wgmma devices only;
                                     // its chunk sums live in shared memory (src/cuda/gemm_skinny.cuh)
-  bool producer = false;            // a producer warp issues the copies (src/cuda/gemm_mainloop.cuh WsPipe): the
-                                    // block has threads() math threads and 32 more
+  bool producer = false;            // producer warps issue the copies (src/cuda/gemm_mainloop.cuh WsPipe): the block
+                                    // has threads() math threads and kProducerThreads more
+  int bf16_stages = 0;              // bf16 weights' pipeline depth when not `stages` (their stages are 3.6x larger)
   constexpr int threads() const { return 32 * warps_m * warps_n; }
 };
 
@@ -167,10 +168,14 @@ inline constexpr GemmConfig kGemmConfigs[kNumGemmConfigs] = {
     // sm_90a: two warpgroups, each 64 weight rows (register A) x the 64 tokens (shared B) with wgmma. (128 tokens
     // measured slower on the H200, both with two warpgroups, one block an SM, and with one, two blocks: run 3, 5.)
     {64, 128, 64, 1, 8, 4, true, true},
-    // sm_90a, many rows an expert: 128 tokens a wgmma (half the decode a FLOP of the tile above), a producer warp
+    // sm_90a, many rows an expert: 128 tokens a wgmma (half the decode a FLOP of the tile above), producer warps
     // for the copies, one block an SM (the registers: 64 accumulators a thread; the chunk sums: 64 KB).
-    {128, 128, 64, 1, 8, 4, true, true, true},
+    {128, 128, 64, 1, 8, 6, true, true, true, 4},
 };
+// The producer warps of a tile with GemmConfig::producer (two: one warp's copy issue, 32 cp.async a lane and
+// k-block for 128 tokens, would be most of its issue slots).
+constexpr int kProducerThreads = 64;
+constexpr int gemm_stages(const GemmConfig& g, bool fp4) { return fp4 || g.bf16_stages == 0 ? g.stages : g.bf16_stages; }
 // The stage bytes of a tile (tokens, weights, their scales) and its dynamic shared memory: a wgmma tile's stages
 // start 1024-byte aligned (the 128-byte swizzle's atom), with 1 KB to align the base (src/cuda/gemm_mainloop.cuh).
 constexpr int64_t gemm_stage_bytes(const GemmConfig& g, bool fp4) {
@@ -179,7 +184,7 @@ constexpr int64_t gemm_stage_bytes(const GemmConfig& g, bool fp4) {
 }
 constexpr int64_t gemm_smem_bytes(const GemmConfig& g, bool fp4) {
   const int64_t chunk_sums = g.wgmma ? int64_t(g.threads()) * (g.bm / 8) * 16 : 0;  // a float4 per 8 tokens a thread
-  return g.stages * gemm_stage_bytes(g, fp4) + (g.wgmma ? 1024 : 0) + chunk_sums;
+  return gemm_stages(g, fp4) * gemm_stage_bytes(g, fp4) + (g.wgmma ? 1024 : 0) + chunk_sums;
 }
 
 // Throws Error(InvalidArgument/Unsupported) naming the argument for shapes the kernels cannot take.

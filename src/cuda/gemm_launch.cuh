@@ -12,13 +12,13 @@ template <bool FP4> struct ConfigOf<0, FP4> { using type = SkinnyConfig<8, 4, 8,
 template <bool FP4> struct ConfigOf<1, FP4> { using type = SkinnyConfig<32, 4, 6, FP4>; };
 template <bool FP4> struct ConfigOf<2, FP4> { using type = TileConfig<64, 128, 2, 4, 3, FP4>; };
 template <bool FP4> struct ConfigOf<3, FP4> { using type = SkinnyConfig<64, 8, 4, FP4, 1, true>; };
-template <bool FP4> struct ConfigOf<4, FP4> { using type = SkinnyConfig<128, 8, 4, FP4, 1, true, true>; };
+template <bool FP4> struct ConfigOf<4, FP4> { using type = SkinnyConfig<128, 8, FP4 ? 6 : 4, FP4, 1, true, true>; };
 // The table above must match plan.h (the plan sizes grids and shared memory from kGemmConfigs).
 template <int I> constexpr bool matches_plan() {
   using C = typename ConfigOf<I, true>::type;
   constexpr GemmConfig g = kGemmConfigs[I];
   return C::BM == g.bm && C::BN == g.bn && C::BK == g.bk && C::WARPS_M == g.warps_m && C::WARPS_N == g.warps_n &&
-         C::STAGES == g.stages && C::WEIGHTS_AS_A == g.weights_as_a && C::WGMMA == g.wgmma && C::PRODUCER == g.producer;
+         C::STAGES == gemm_stages(g, true) && ConfigOf<I, false>::type::STAGES == gemm_stages(g, false) && C::WEIGHTS_AS_A == g.weights_as_a && C::WGMMA == g.wgmma && C::PRODUCER == g.producer;
 }
 static_assert(kNumGemmConfigs == 5 && matches_plan<0>() && matches_plan<1>() && matches_plan<2>() && matches_plan<3>() &&
                   matches_plan<4>(),

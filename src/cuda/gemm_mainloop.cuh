@@ -17,16 +17,17 @@
 namespace fp4moe::cuda_backend {
 
 // WEIGHTS_AS_A: the block tile of gemm_skinny.cuh (same stages, tokens as the mma B operand); WGMMA: its sm_90a
-// form (wgmma.cuh), stages 1024-byte aligned; PRODUCER: the copies are a producer warp's of its own (the block has
-// THREADS math threads and one more warp; WsPipe).
+// form (wgmma.cuh), stages 1024-byte aligned; PRODUCER: the copies are producer warps' of their own (the block has
+// THREADS math threads and PRODUCER_THREADS more; WsPipe).
 template <int BM_, int BN_, int WARPS_M_, int WARPS_N_, int STAGES_, bool FP4_, bool WEIGHTS_AS_A_ = false,
           bool WGMMA_ = false, bool PRODUCER_ = false>
 struct TileConfig {
   static constexpr int BM = BM_, BN = BN_, BK = 64, WARPS_M = WARPS_M_, WARPS_N = WARPS_N_, STAGES = STAGES_;
   static constexpr bool FP4 = FP4_, WEIGHTS_AS_A = WEIGHTS_AS_A_, WGMMA = WGMMA_, PRODUCER = PRODUCER_;
-  static constexpr GemmConfig kPlan{BM, BN, BK, WARPS_M, WARPS_N, STAGES, WEIGHTS_AS_A, WGMMA, PRODUCER};  // plan.h's
+  static constexpr GemmConfig kPlan{BM, BN, BK, WARPS_M, WARPS_N, STAGES, WEIGHTS_AS_A, WGMMA, PRODUCER, STAGES};
   static constexpr int THREADS = 32 * WARPS_M * WARPS_N;                 // the math threads
-  static constexpr int BLOCK_THREADS = THREADS + (PRODUCER ? 32 : 0);  // and the producer warp
+  static constexpr int PRODUCER_THREADS = PRODUCER ? static_cast<int>(kProducerThreads) : 0;
+  static constexpr int BLOCK_THREADS = THREADS + PRODUCER_THREADS;
   static constexpr int WTM = BM / WARPS_M, WTN = BN / WARPS_N;  // warp tile
   static constexpr int MT = WTM / 16, NT = WTN / 8;             // mma tiles per warp
   static constexpr int B_ROW_BYTES = FP4 ? 32 : 128;            // one row's 64 K of prepared weights
@@ -113,8 +114,8 @@ template <class C> struct TileLoader {
 #else
   static constexpr bool kBulk = false;
 #endif
-  // The loading threads: the producer warp (PRODUCER tiles) or every thread; tid() is the index among them.
-  static constexpr int LT = C::PRODUCER ? 32 : C::THREADS;
+  // The loading threads: the producer warps (PRODUCER tiles) or every thread; tid() is the index among them.
+  static constexpr int LT = C::PRODUCER ? C::PRODUCER_THREADS : C::THREADS;
   __device__ static int tid() { return static_cast<int>(threadIdx.x) - (C::PRODUCER ? C::THREADS : 0); }
   static constexpr int B_CHUNKS = kBulk ? 0 : C::B_BYTES / 16 / LT;
   static_assert(kBulk || ((C::B_BYTES / 16) % LT == 0 && C::SF_BYTES / 16 <= LT), "whole weight chunks per thread");
@@ -287,7 +288,7 @@ template <class C> struct WsPipe {
     full0 = dev::smem_addr(bars);
     empty0 = full0 + 8 * C::STAGES;
     if (threadIdx.x < C::STAGES) {
-      dev::mbar_init(full0 + 8 * threadIdx.x, 32 + (TileLoader<C>::kBulk ? 1 : 0));
+      dev::mbar_init(full0 + 8 * threadIdx.x, C::PRODUCER_THREADS + (TileLoader<C>::kBulk ? 1 : 0));
       dev::mbar_init(empty0 + 8 * threadIdx.x, C::THREADS / 32);
     }
     dev::mbar_init_fence();

@@ -3,12 +3,13 @@
 # kernels of one eager call of SHAPE (default kimi_k3_tp8; no LoRA) at each T in TOKENS. Runs beside an unpacked
 # `git archive` with the binaries carried in BIN. Writes ncu_<shape>_T<T>.txt (details page: stall reasons,
 # instruction-cache stalls among them) and src_<shape>_T<T>.csv (source page of the kernels matching SRC_KERNELS:
-# SASS with stall reasons) under $OUT.
+# SASS with stall reasons) under $OUT. BENCH_FLAGS: more `fp4moe bench` flags (e.g. --tile 4).
 set -u
 TOKENS=${TOKENS:-1 64}
 SHAPE=${SHAPE:-kimi_k3_tp8}
 KERNELS=${KERNELS:-regex:routing|permute|count_kernel|scan_kernel|place_kernel|gemm_kernel|combine_kernel}
 SRC_KERNELS=${SRC_KERNELS:-regex:gemm_kernel}
+BENCH_FLAGS=${BENCH_FLAGS:-}
 BUDGET=${BUDGET:-400}
 . "$(dirname "$0")/lib.sh"
 export PATH=/usr/local/cuda/bin:$PATH
@@ -16,7 +17,7 @@ header "$SHAPE"
 for T in $TOKENS; do
   tag=${SHAPE}_T$T
   step ncu_run_$tag 120 ncu --set full --import-source yes --launch-count 8 -k "$KERNELS" -o "/tmp/prof_$tag" -f \
-    "$BIN/fp4moe" bench --shapes "$SHAPE" --tokens "$T" --no-lora --runs 1 --max-runs 1 --min-time 0
+    "$BIN/fp4moe" bench --shapes "$SHAPE" --tokens "$T" --no-lora --runs 1 --max-runs 1 --min-time 0 $BENCH_FLAGS
   tail -3 "$OUT/ncu_run_$tag.log" >> "$S"
   ncu --import "/tmp/prof_$tag.ncu-rep" --page details --print-details all > "$OUT/ncu_$tag.txt" 2>&1
   ncu --import "/tmp/prof_$tag.ncu-rep" -k "$SRC_KERNELS" --page source --csv --print-source sass \
