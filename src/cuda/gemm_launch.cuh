@@ -1,6 +1,8 @@
 // Host side of the grouped GEMMs: picks the instantiation for (tile config, weight format, activation)
 // and launches it. Included by one .cu per weight format so the instantiations compile in parallel.
 #pragma once
+#include <algorithm>
+
 #include "cuda/gemm_grouped.cuh"
 #include "cuda/gemm_skinny.cuh"
 
@@ -45,8 +47,14 @@ void launch_grouped(const GemmProblem& g, const typename Epi::Params& ep, int n_
     check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::SMEM_BYTES),
                "cudaFuncSetAttribute(grouped_gemm_kernel)");
   const unsigned splits = Cfg::WEIGHTS_AS_A ? static_cast<unsigned>(g.split) : 1u;  // split-K: skinny tiles only
-  launch_pdl(kernel, dim3(static_cast<unsigned>(m_tiles), static_cast<unsigned>(n_tiles), splits), dim3(Cfg::BLOCK_THREADS),
-             Cfg::SMEM_BYTES, stream, "grouped_gemm_kernel", g, ep);
+  dim3 grid(static_cast<unsigned>(m_tiles), static_cast<unsigned>(n_tiles), splits);
+  if constexpr (Cfg::PRODUCER) {  // persistent: one block an SM over the tiles (never split: plan.cpp split_of)
+    int dev = 0, sms = 0;
+    check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
+    check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute(SMs)");
+    grid = dim3(static_cast<unsigned>(std::min<int64_t>(static_cast<int64_t>(m_tiles) * n_tiles, sms)), 1, 1);
+  }
+  launch_pdl(kernel, grid, dim3(Cfg::BLOCK_THREADS), Cfg::SMEM_BYTES, stream, "grouped_gemm_kernel", g, ep);
 }
 
 template <bool FP4> void launch_gemm1_fmt(int config, ActivationType at, const GemmProblem& g, const Epilogue1Params& e,

@@ -267,24 +267,28 @@ template <class C> struct StagePipe {
   }
 };
 
-// The pipeline of a tile with a producer warp (C::PRODUCER; the wgmma tile): the producer warp issues every copy
-// (tokens by cp.async, 16 a lane and k-block; weights and scales by bulk copies) and leaves; the math warps only
-// wait for stages and hand them back. Stage s has two barriers: full (its lanes' cp.async arrivals and the bulk
-// copies' bytes) and empty (one arrival a math warp once its wgmmas have read the stage). No __syncthreads in the
-// loop: a warp waits only for the stage it reads or, the producer, the one it refills (H200 ncu of the wgmma tile
-// with every thread copying, session 8 run 4: 197 instructions a k-block a warp for 4 wgmmas, of which ~60 decode;
-// the copies, the block barrier and its waits were most of the rest).
+// The pipeline of a tile with producer warps (C::PRODUCER; the wgmma tile of 128 tokens): the producer warps issue
+// every copy (tokens by cp.async, 16 a lane and k-block; weights and scales by bulk copies) and leave; the math
+// warps only wait for stages and hand them back. Stage s has two barriers: full (the producer lanes' cp.async
+// arrivals and the bulk copies' bytes) and empty (one arrival a math warp once its wgmmas have read the stage). No
+// __syncthreads in the loop: a warp waits only for the stage it reads or, a producer, the one it refills (H200 ncu
+// of the wgmma tile with every thread copying, session 8 run 4: 197 instructions a k-block a warp for 4 wgmmas, of
+// which ~60 decode; the copies, the block barrier and its waits were most of the rest). The stages run on from
+// tile to tile of a persistent block: both sides keep their place in the ring.
 template <class C> struct WsPipe {
-  static_assert(C::PRODUCER && C::THREADS % 32 == 0, "producer warp");
-  uint32_t sbase, full0, empty0;
-  int rd = 0;                // stage to read next
-  uint32_t ph = 0;           // parity of its full barrier's phase to wait for
-  int cur = -1, prev = -1;   // the stages of the last two k-blocks returned that are not handed back yet
+  static_assert(C::PRODUCER && C::PRODUCER_THREADS % 32 == 0, "producer warps");
+  uint32_t base, full0, empty0;
+  int rd = 0;                // math warps: the stage to read next
+  uint32_t ph = 0;           //   the parity of its full barrier's phase to wait for
+  int cur = -1, prev = -1;   //   the stages of the last two k-blocks returned, not handed back yet
+  int wr = 0;                // producer warps: the stage to load next
+  uint32_t eph = 1;          //   the parity of its empty barrier's phase to wait for (a fresh barrier's phase
+                             //   "before the first" counts as complete: the first round does not wait)
 
   // Every thread of the block (the barriers' initialization, then one __syncthreads).
   __device__ __forceinline__ explicit WsPipe(uint8_t* smem) {
     __shared__ __align__(8) uint64_t bars[2 * C::STAGES];
-    sbase = dev::smem_addr(smem);
+    base = dev::smem_addr(smem);
     full0 = dev::smem_addr(bars);
     empty0 = full0 + 8 * C::STAGES;
     if (threadIdx.x < C::STAGES) {
@@ -295,34 +299,34 @@ template <class C> struct WsPipe {
     __syncthreads();
   }
   __device__ static bool producer() { return threadIdx.x >= C::THREADS; }
+  __device__ __forceinline__ uint32_t sbase() const { return base; }
 
-  // The producer warp: loads k-blocks [kb0, kb0 + nkb) into stages 0, 1, ..., each once the math warps handed it
-  // back (empty barrier; a fresh barrier's phase "before the first" counts as complete, hence parity 1 first).
+  // The producer warps: loads k-blocks [kb0, kb0 + nkb) of one tile, each into the next stage once the math warps
+  // handed it back.
   template <class Rows>
   __device__ __forceinline__ void produce(const GemmProblem& g, const Rows& tr, int n0, int kb0, int nkb) {
     TileLoader<C> ld(g, tr, n0, kb0);
-    int s = 0;
-    uint32_t eph = 1;
     for (int j = 0; j < nkb; ++j) {
-      dev::mbar_wait(empty0 + 8 * s, eph);
-      ld.load_next(sbase + s * C::STAGE_BYTES, full0 + 8 * s);
-      dev::cp_async_mbar_arrive(full0 + 8 * s);
-      if (++s == C::STAGES) s = 0, eph ^= 1u;
+      dev::mbar_wait(empty0 + 8 * wr, eph);
+      ld.load_next(base + wr * C::STAGE_BYTES, full0 + 8 * wr);
+      dev::cp_async_mbar_arrive(full0 + 8 * wr);
+      if (++wr == C::STAGES) wr = 0, eph ^= 1u;
     }
-    dev::cp_async_wait<0>();
   }
+  // The producer warps, after their last tile.
+  __device__ __forceinline__ void drain() { dev::cp_async_wait<0>(); }
 
   // A math warp: the shared-space address of the next k-block's stage, its copies landed. The tokens came by
   // cp.async (the generic proxy) and wgmma reads them through the async proxy: the PTX memory model asks for the
   // proxy fence between (here, after the barrier that orders them).
   __device__ __forceinline__ uint32_t next() {
     dev::mbar_wait(full0 + 8 * rd, ph);
-    if constexpr (C::WGMMA) dev::fence_proxy_async();
+    dev::fence_proxy_async();
     prev = cur;
     cur = rd;
     ph ^= rd == C::STAGES - 1 ? 1u : 0u;
     rd = rd == C::STAGES - 1 ? 0 : rd + 1;
-    return sbase + cur * C::STAGE_BYTES;
+    return base + cur * C::STAGE_BYTES;
   }
   // After wgmma_wait<1>: the wgmmas of every k-block but the last one returned are done; hands back the stage
   // before it.
@@ -336,12 +340,13 @@ template <class C> struct WsPipe {
     if (cur >= 0 && (threadIdx.x & 31) == 0) dev::mbar_arrive(empty0 + 8 * cur);
     cur = -1;
   }
+  __device__ __forceinline__ void finish() {}
 };
 
-// The copies of a skinny tile behind one interface: every thread loading (TileLoader + StagePipe), or the producer
-// warp (WsPipe; the kernel sends the producer warp to produce() and the math warps on). next() returns the next
-// k-block's stage; the release calls hand stages back (no-ops without a producer: __syncthreads frees them).
-template <class C, bool = C::PRODUCER> struct TilePipeline {
+// The copies of a skinny tile without a producer: every thread loads its share (TileLoader + StagePipe); the same
+// interface as WsPipe (next() returns the next k-block's stage; the release calls are no-ops: __syncthreads
+// frees the stages).
+template <class C> struct TilePipeline {
   TileLoader<C> ld;
   StagePipe<C> pipe;
   template <class Rows>
@@ -354,19 +359,8 @@ template <class C, bool = C::PRODUCER> struct TilePipeline {
   __device__ __forceinline__ void release_all() {}
   __device__ __forceinline__ void finish() { dev::cp_async_wait<0>(); }
 };
-template <class C> struct TilePipeline<C, true> {
-  WsPipe<C> pipe;
-  template <class Rows>
-  __device__ __forceinline__ TilePipeline(uint8_t* smem, const GemmProblem&, const Rows&, int, int, int)
-      : pipe(smem) {}
-  __device__ __forceinline__ uint32_t sbase() const { return pipe.sbase; }
-  __device__ __forceinline__ uint32_t next() { return pipe.next(); }
-  __device__ __forceinline__ void release_older() { pipe.release_older(); }
-  __device__ __forceinline__ void release_all() { pipe.release_all(); }
-  __device__ __forceinline__ void finish() {}
-};
 
-// __syncthreads for the math threads (a tile with a producer warp: that warp has left; named barrier 1).
+// __syncthreads for the math threads (a tile with producer warps: they have left, or run ahead; named barrier 1).
 template <class C> __device__ __forceinline__ void math_sync() {
   if constexpr (C::PRODUCER) asm volatile("bar.sync 1, %0;\n" ::"n"(C::THREADS) : "memory");
   else __syncthreads();

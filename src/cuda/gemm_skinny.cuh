@@ -134,9 +134,12 @@ __device__ __forceinline__ void fused_a4_store(const Epilogue1Params& ep, const 
     }
 }
 
-template <class Cfg, class Epi, class Act>
-__global__ void __launch_bounds__(Cfg::BLOCK_THREADS, kSkinnyMinBlocks<Cfg>)
-    skinny_gemm_kernel(GemmProblem g, typename Epi::Params ep) {
+// One block tile (rows tr, weight rows [nb, nb + BN), k-blocks kr) through the pipeline `pipe` (TilePipeline, or
+// a producer tile's WsPipe, whose stages run on from the block's previous tile), then its epilogue. The math
+// threads only; a split tile's blocks but the last return without an epilogue.
+template <class Cfg, class Epi, class Act, class Pipe>
+__device__ __forceinline__ void skinny_tile(const GemmProblem& g, const typename Epi::Params& ep, uint8_t* smem,
+                                            const TileRows& tr, int nb, KRange kr, Pipe& pipe) {
   // RG row groups of 16 weight rows per warp: the token fragments, the loads and the loop are shared by RG
   // decode streams (a decode GEMM is bound by the instructions per weight byte).
   constexpr int RG = Cfg::BN / (16 * Cfg::WARPS_N);
@@ -145,25 +148,10 @@ __global__ void __launch_bounds__(Cfg::BLOCK_THREADS, kSkinnyMinBlocks<Cfg>)
                 "skinny tile");
   constexpr int GROUPS = Cfg::BM / 8;
   constexpr int ACCS = GROUPS * RG;  // accumulator (token group i, row group r) at i * RG + r
-  extern __shared__ __align__(128) uint8_t smem_raw[];
-  uint8_t* smem = stage_base<Cfg>(smem_raw);
-  dev::pdl_wait();
-  dev::pdl_launch_dependents();
-  TileRows tr;
-  if (!resolve_tile<Cfg::BM>(g, tr)) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2, t = lane & 3;
-  const int n0 = static_cast<int>(blockIdx.y) * Cfg::BN + warp * 16 * RG;  // this warp's first weight row
-  const int groups = (tr.row_end - tr.row0 + 7) >> 3;                     // token groups with rows (uniform)
+  const int n0 = nb + warp * 16 * RG;                  // this warp's first weight row
+  const int groups = (tr.row_end - tr.row0 + 7) >> 3;  // token groups with rows (uniform)
   const int KB = static_cast<int>(g.B.Kp / Cfg::BK);
-  const KRange kr = k_range(KB, static_cast<int>(blockIdx.z), g.split);
-  const int nkb = kr.end - kr.begin;
-  TilePipeline<Cfg> pipe(smem, g, tr, static_cast<int>(blockIdx.y) * Cfg::BN, kr.begin, nkb);
-  if constexpr (Cfg::PRODUCER) {
-    if (pipe.pipe.producer()) {
-      pipe.pipe.produce(g, tr, static_cast<int>(blockIdx.y) * Cfg::BN, kr.begin, nkb);
-      return;  // the rest is the math warps' (math_sync, not __syncthreads)
-    }
-  }
 
   // LoRA: each tile row's slot and shrink row (and its B rows asked of L2) while the first stages load; the
   // epilogue reads them after the loop. In the epilogue, group by group, the lookups made each group's expand wait
@@ -174,7 +162,7 @@ __global__ void __launch_bounds__(Cfg::BLOCK_THREADS, kSkinnyMinBlocks<Cfg>)
   __shared__ dev::LoraRowRef s_lora_rows[Cfg::BM];
   __shared__ uint32_t s_lora_t0[kStageT0 ? Cfg::BM : 1][8];
   if (ep.lora.table)
-    lora_lookup_rows<Cfg, Epi, Act>(g, ep, tr, static_cast<int>(blockIdx.y) * Cfg::BN, s_lora_rows,
+    lora_lookup_rows<Cfg, Epi, Act>(g, ep, tr, nb, s_lora_rows,
                                     kStageT0 ? s_lora_t0 : nullptr);
   // Likewise each tile row's epilogue loads (Epi::row_pre: entry, token scale): in the epilogue they were a chain of
   // dependent loads per token group, which the A4 fused epilogue's lane exchanges kept from overlapping (kimi_k3_tp8
@@ -185,7 +173,8 @@ __global__ void __launch_bounds__(Cfg::BLOCK_THREADS, kSkinnyMinBlocks<Cfg>)
     if (i < Cfg::BM && tr.row0 + i < tr.row_end) s_row_pre[i] = Epi::row_pre(ep, g, tr.row0 + i);
   }
 
-  // Split-K: this block's chunk sums go to partials[tile][chunk][thread] (tile = blockIdx.x, y).
+  // Split-K (tiles without a producer: one tile a block): this block's chunk sums go to partials[tile][chunk][thread]
+  // (tile = blockIdx.x, y).
   const int chunks = (KB + kChunkBlocks - 1) / kChunkBlocks;
   const int64_t tile_lin = static_cast<int64_t>(blockIdx.x) * gridDim.y + blockIdx.y;
   auto partial_at = [&](int chunk) {
@@ -431,6 +420,52 @@ __global__ void __launch_bounds__(Cfg::BLOCK_THREADS, kSkinnyMinBlocks<Cfg>)
         }
       }
     }
+  }
+}
+
+
+// The grouped GEMM kernel of the weights-as-A tiles. Without a producer: block (x, y, z) = (m tile, n tile, split),
+// every thread loading its share. With producer warps (one block an SM): a persistent block, tiles blockIdx.x,
+// + gridDim.x, ... in the grid's order (m tiles fastest: neighbours share a weight tile in L2); the producer warps
+// run through every tile's k-blocks without a break, so the next tile's first stages load during this one's
+// epilogue (ncu, mixtral_8x7b T=4096 GEMM1 with one tile a block: the epilogue ~20 % of the samples, nothing to
+// overlap it with at one block an SM).
+template <class Cfg, class Epi, class Act>
+__global__ void __launch_bounds__(Cfg::BLOCK_THREADS, kSkinnyMinBlocks<Cfg>)
+    skinny_gemm_kernel(GemmProblem g, typename Epi::Params ep) {
+  extern __shared__ __align__(128) uint8_t smem_raw[];
+  uint8_t* smem = stage_base<Cfg>(smem_raw);
+  dev::pdl_wait();
+  dev::pdl_launch_dependents();
+  const int KB = static_cast<int>(g.B.Kp / Cfg::BK);
+  if constexpr (Cfg::PRODUCER) {
+    // The real tiles (the routed count is the permutation's, after pdl_wait), m fastest; split is always 1 here.
+    const int m_count = g.tile_info ? g.tile_info[2 * g.max_tiles] : (g.dense_rows + Cfg::BM - 1) / Cfg::BM;
+    const int n_count = static_cast<int>((g.B.N + Cfg::BN - 1) / Cfg::BN);
+    const int total = m_count * n_count;
+    WsPipe<Cfg> pipe(smem);
+    if (pipe.producer()) {
+      for (int L = blockIdx.x; L < total; L += gridDim.x) {
+        TileRows tr;
+        resolve_tile<Cfg::BM>(g, tr, L % m_count);
+        pipe.produce(g, tr, (L / m_count) * Cfg::BN, 0, KB);
+      }
+      pipe.drain();
+      return;  // the rest is the math warps' (math_sync, not __syncthreads)
+    }
+    for (int L = blockIdx.x; L < total; L += gridDim.x) {
+      TileRows tr;
+      resolve_tile<Cfg::BM>(g, tr, L % m_count);
+      if (L != static_cast<int>(blockIdx.x)) math_sync<Cfg>();  // the last tile's epilogue has read its shared rows
+      skinny_tile<Cfg, Epi, Act>(g, ep, smem, tr, (L / m_count) * Cfg::BN, KRange{0, KB}, pipe);
+    }
+  } else {
+    TileRows tr;
+    if (!resolve_tile<Cfg::BM>(g, tr)) return;
+    const KRange kr = k_range(KB, static_cast<int>(blockIdx.z), g.split);
+    const int nb = static_cast<int>(blockIdx.y) * Cfg::BN;
+    TilePipeline<Cfg> pipe(smem, g, tr, nb, kr.begin, kr.end - kr.begin);
+    skinny_tile<Cfg, Epi, Act>(g, ep, smem, tr, nb, kr, pipe);
   }
 }
 
