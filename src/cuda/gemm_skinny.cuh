@@ -85,11 +85,11 @@ template <class Cfg> constexpr int kSkinnyMinBlocks =
 // than the separate quantize launch, kimi_k3_tp8 A4 T=1024 +37 us). The block's amax is taken over the lanes of one
 // token (t, g of one parity: xor 8, 16), and each value is quantized as quantize_block does (nvfp4_device.cuh), so
 // out holds the same bits as GEMM1 then quantize_blocks_kernel. act_out keeps a. up / dup: the odd lane's values
-// (lane + 4), as the caller exchanged them.
-template <class Act, int ACCS, int RG>
+// (lane + 4), as the caller exchanged them; ga: the group's sums (row group r).
+template <class Act, int RG>
 __device__ __forceinline__ void fused_a4_store(const Epilogue1Params& ep, const Epilogue1::RowPre* row_pre,
                                                const Epilogue1::ExpertCtx& x, const TileRows& tr, int i, int n0,
-                                               const float (&acc)[ACCS][4], const float (&up)[RG][4],
+                                               const float (&ga)[RG][4], const float (&up)[RG][4],
                                                const float (&dl)[RG][4], const float (&dup)[RG][4]) {
   const int lane = threadIdx.x & 31, gq = lane >> 2, t = lane & 3, tk = gq & 1;
   // The odd lane's gate values (and LoRA deltas) of token 2t + 1, from the even lane (lane - 4).
@@ -98,7 +98,7 @@ __device__ __forceinline__ void fused_a4_store(const Epilogue1Params& ep, const 
   for (int r = 0; r < RG; ++r)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      gate[r][h] = __shfl_up_sync(0xffffffffu, acc[i * RG + r][2 * h + 1], 4);
+      gate[r][h] = __shfl_up_sync(0xffffffffu, ga[r][2 * h + 1], 4);
       dgate[r][h] = __shfl_up_sync(0xffffffffu, dl[r][2 * h + 1], 4);
     }
   const int row = tr.row0 + i * 8 + 2 * t + tk;
@@ -112,8 +112,8 @@ __device__ __forceinline__ void fused_a4_store(const Epilogue1Params& ep, const 
   for (int r = 0; r < RG; ++r)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int a = i * RG + r, col = n0 + 16 * r + (gq & ~1) + 8 * h;  // the pair's gate column
-      const float g0 = tk ? gate[r][h] : acc[a][2 * h], u0 = tk ? acc[a][2 * h + 1] : up[r][2 * h];
+      const int col = n0 + 16 * r + (gq & ~1) + 8 * h;  // the pair's gate column
+      const float g0 = tk ? gate[r][h] : ga[r][2 * h], u0 = tk ? ga[r][2 * h + 1] : up[r][2 * h];
       const float gd = tk ? dgate[r][h] : dl[r][2 * h], ud = tk ? dl[r][2 * h + 1] : dup[r][2 * h];
       ab[r][h] = mine ? dev::f32_to_bf16(Epilogue1::gated_value<Act>(ep, x, rc, col, g0, u0, gd, ud)) : uint16_t{0};
       dev::quant_block_amax(dev::bf16_to_f32(ab[r][h]), amax, non_finite);
@@ -281,13 +281,6 @@ __device__ __forceinline__ void skinny_tile(const GemmProblem& g, const typename
     }
   }
   pipe.finish();
-  if constexpr (Cfg::WGMMA) {
-#pragma unroll
-    for (int a = 0; a < ACCS; ++a) {
-      const float4 v = chunk_sums[a * Cfg::THREADS];
-      acc[a][0] = v.x, acc[a][1] = v.y, acc[a][2] = v.z, acc[a][3] = v.w;
-    }
-  }
 
   if (g.split > 1) {  // the last block of the tile adds every chunk sum in chunk order
     __shared__ int last;
@@ -312,7 +305,7 @@ __device__ __forceinline__ void skinny_tile(const GemmProblem& g, const typename
       }
     }
   }
-  if constexpr (Cfg::FP4) unscale_products(acc);
+  if constexpr (Cfg::FP4 && !Cfg::WGMMA) unscale_products(acc);  // wgmma: group by group below
 
   // Thread (g, t) holds out(token 2t + {0,1} of group i, weight rows n0 + 16r + g and + 8), and the LoRA delta of
   // the same fragment (lora_expand.cuh; here B_e rows are the A operand, the tokens' t rows the B operand), one
@@ -338,9 +331,8 @@ __device__ __forceinline__ void skinny_tile(const GemmProblem& g, const typename
     a[2] = dev::lora_b_pair(ba, crk, k0 + 2 * t + 8);
     a[3] = dev::lora_b_pair(bb, crk, k0 + 2 * t + 8);
   };
-#pragma unroll
-  for (int i = 0; i < GROUPS; ++i) {
-    if (i >= groups) break;
+  // Token group i, its sums ga (ga[r]: accumulator i * RG + r).
+  auto epilogue_group = [&](int i, const float (&ga)[RG][4]) {
     float dl[RG][4];
 #pragma unroll
     for (int r = 0; r < RG; ++r) dl[r][0] = dl[r][1] = dl[r][2] = dl[r][3] = 0.f;
@@ -396,13 +388,13 @@ __device__ __forceinline__ void skinny_tile(const GemmProblem& g, const typename
     for (int r = 0; r < RG; ++r)
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
-        nb[r][q] = __shfl_down_sync(0xffffffffu, acc[i * RG + r][q], 4);
+        nb[r][q] = __shfl_down_sync(0xffffffffu, ga[r][q], 4);
         dn[r][q] = __shfl_down_sync(0xffffffffu, dl[r][q], 4);
       }
     if constexpr (std::is_same_v<Epi, Epilogue1> && kGatedAct<Act> && RG == 2) {
       if (ep.a_quant_gs > 0.f) {  // A4 fused (block-uniform)
-        fused_a4_store<Act>(ep, s_row_pre, x, tr, i, n0, acc, nb, dl, dn);
-        continue;
+        fused_a4_store<Act>(ep, s_row_pre, x, tr, i, n0, ga, nb, dl, dn);
+        return;
       }
     }
     if ((gq & 1) == 0) {  // no early exit: the next group's expand needs every lane converged
@@ -413,12 +405,35 @@ __device__ __forceinline__ void skinny_tile(const GemmProblem& g, const typename
         const auto rc = Epi::row_ctx(ep, x, row, s_row_pre[row - tr.row0]);
 #pragma unroll
         for (int r = 0; r < RG; ++r) {
-          const int a = i * RG + r;
-          Epi::template pair<Act>(ep, x, rc, n0 + 16 * r + gq, acc[a][tk], nb[r][tk], dl[r][tk], dn[r][tk]);
-          Epi::template pair<Act>(ep, x, rc, n0 + 16 * r + gq + 8, acc[a][2 + tk], nb[r][2 + tk], dl[r][2 + tk],
+          Epi::template pair<Act>(ep, x, rc, n0 + 16 * r + gq, ga[r][tk], nb[r][tk], dl[r][tk], dn[r][tk]);
+          Epi::template pair<Act>(ep, x, rc, n0 + 16 * r + gq + 8, ga[r][2 + tk], nb[r][2 + tk], dl[r][2 + tk],
                                   dn[r][2 + tk]);
         }
       }
+    }
+  };
+  if constexpr (Cfg::WGMMA) {
+    // A rolled loop, the sums read from shared memory group by group: unrolled over the groups (with its LoRA
+    // passes) the epilogue was most of the kernel's code, and the 128-token tile's instruction fetch stalled on it
+    // (ncu, mixtral_8x7b T=4096 GEMM1, tile 4: 38 % of the samples in the epilogue, a third of them "no
+    // instruction").
+#pragma unroll 1
+    for (int i = 0; i < groups; ++i) {
+      const float4 v = chunk_sums[i * Cfg::THREADS];  // RG = 1: accumulator i
+      float ga[RG][4] = {{v.x, v.y, v.z, v.w}};
+      if constexpr (Cfg::FP4) unscale_products(ga);
+      epilogue_group(i, ga);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < GROUPS; ++i) {
+      if (i >= groups) break;
+      float ga[RG][4];
+#pragma unroll
+      for (int r = 0; r < RG; ++r)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) ga[r][q] = acc[i * RG + r][q];
+      epilogue_group(i, ga);
     }
   }
 }
