@@ -219,14 +219,15 @@ __device__ __forceinline__ void skinny_tile(const GemmProblem& g, const typename
       // live in shared memory (two register sets spilled at 128 registers). H200: 1-2.6 % faster than waiting
       // for each k-block's wgmmas before the next (session8-dev run 6).
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+      const uint64_t desc0 = dev::wgmma_desc_sw128(pipe.sbase());  // stage 0's token rows, k16 step 0
       auto k_block = [&](uint32_t (&w)[4][4]) {
-        const uint32_t sstage = pipe.next();
-        const uint8_t* st = smem + (sstage - pipe.sbase());
+        const uint32_t off = pipe.next() - pipe.sbase();
+        const uint8_t* st = smem + off;
         weight_fragments<Cfg>(st + w_off, st + sf_off, w);
         dev::wgmma_fence_acc(part);
         dev::wgmma_fence();
 #pragma unroll
-        for (int s = 0; s < 4; ++s) dev::Wgmma<Cfg::BM>::rs(part, w[s], dev::wgmma_desc_sw128(sstage + 32 * s), true);
+        for (int s = 0; s < 4; ++s) dev::Wgmma<Cfg::BM>::rs(part, w[s], dev::wgmma_desc_advance(desc0, off + 32 * s), true);
         dev::wgmma_commit();
         dev::wgmma_wait<1>();  // the k-block before: its stage and fragment buffer are free again
         pipe.release_older();

@@ -18,6 +18,13 @@ __device__ __forceinline__ uint64_t wgmma_desc_sw128(uint32_t addr) {
          (static_cast<uint64_t>(1024 >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
 }
 
+// wgmma_desc_sw128(addr + bytes) from d = wgmma_desc_sw128(addr): only the start-address field (addr >> 4, the low
+// 14 bits: shared addresses stay below 256 KB, so nothing carries out of it) moves; the upper word is unchanged, so
+// a loop's descriptors cost one add each instead of the mask, shift and or of every address.
+__device__ __forceinline__ uint64_t wgmma_desc_advance(uint64_t d, uint32_t bytes) {
+  return (d & 0xffffffff00000000ull) | static_cast<uint32_t>(static_cast<uint32_t>(d) + (bytes >> 4));
+}
+
 // Orders this thread's register writes (the A fragments, the accumulators) before the wgmmas that read them.
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }

@@ -124,7 +124,14 @@ MoePlan make_plan(const ProblemShape& shape) {
   // wins on wide ones (deepseek_v3_ep8, I = 2048: 1.04-1.10; gpt_oss_120b, I = 2880: 0.96 at T=1024, 1.10-1.14
   // above; mixtral_8x7b T=256: 1219 us with tile 1 in final-7, 1072 with tile 3 in final-8). The bits are the same.
   const bool lora_thin = s.has_lora && s.I <= 768;
+  // Tile 4 (128 tokens, producer warps, one persistent block an SM) from 1024 expected rows an expert, on layers
+  // whose GEMMs both run K >= 4096 (its per-tile epilogue, not overlapped at one block an SM, is paid back over the
+  // long K), without LoRA (not measured). H200, tile 4 / tile 3 time (session 11 r4, ncu r5): mixtral_8x7b
+  // (H 4096, I 14336) 0.98 at T=4096 (1024 rows an expert), 0.96 at 16384, 1.10 at 1024; qwen3_30b_a3b (I 768)
+  // 1.21 at 16384 (1024 rows an expert); kimi_k3_tp8 1.04-1.06, deepseek_v3_ep8 1.17-1.20 at T >= 4096.
+  const bool long_k = s.H >= 4096 && s.I >= 4096;
   auto choose = [&](bool wgmma) {
+    if (wgmma && !s.has_lora && long_k && p.rows >= 1024 * s.E_total) return 4;
     if (wgmma && p.rows >= 32 * s.E_total && !lora_thin) return 3;
     return avg_rows <= 6 ? 0 : (avg_rows <= 512 ? 1 : 2);
   };
