@@ -269,7 +269,7 @@ void launch_permute(const PermuteParams& p, cudaStream_t stream);
 void launch_order_by_adapter(const PermuteParams& p, cudaStream_t stream);
 // Device dev's compute capability, major * 10 + minor (cached per device; backend.cu).
 int compute_capability(int dev);
-// Whether device dev runs the sm_90a wgmma tile (plan.h kGemmConfigs[3]; ProblemShape::wgmma): compute capability
+// Whether device dev runs the sm_90a wgmma tiles (plan.h kGemmConfigs[3], [4]; ProblemShape::wgmma): compute capability
 // 9.0 and a build with sm_90a code.
 bool wgmma_supported_on(int dev);
 void launch_gemm1(int config, WeightFormat fmt, ActivationType act, const GemmProblem& g, const Epilogue1Params& e,

@@ -126,9 +126,10 @@ MoePlan make_plan(const ProblemShape& shape) {
   const bool lora_thin = s.has_lora && s.I <= 768;
   // Tile 4 (128 tokens, producer warps, one persistent block an SM) from 1024 expected rows an expert, on layers
   // whose GEMMs both run K >= 4096 (its per-tile epilogue, not overlapped at one block an SM, is paid back over the
-  // long K), without LoRA (not measured). H200, tile 4 / tile 3 time (session 11 r4, ncu r5): mixtral_8x7b
-  // (H 4096, I 14336) 0.98 at T=4096 (1024 rows an expert), 0.96 at 16384, 1.10 at 1024; qwen3_30b_a3b (I 768)
-  // 1.21 at 16384 (1024 rows an expert); kimi_k3_tp8 1.04-1.06, deepseek_v3_ep8 1.17-1.20 at T >= 4096.
+  // long K), without LoRA. H200, tile 4 / tile 3 time (session 11 r4, r6; ncu r5): mixtral_8x7b (H 4096, I 14336)
+  // 0.98-1.00 at T=4096 (1024 rows an expert), 0.96-0.97 at 16384, 1.10 at 1024; qwen3_30b_a3b (I 768) 1.21 at 16384
+  // (1024 rows an expert); kimi_k3_tp8 1.03-1.06, deepseek_v3_ep8 1.17-1.24 at T >= 4096. With eight rank-16
+  // adapters (r8): mixtral 1.01 / 0.98, gpt_oss_120b 1.35 / 1.17 at T=4096 / 16384.
   const bool long_k = s.H >= 4096 && s.I >= 4096;
   auto choose = [&](bool wgmma) {
     if (wgmma && !s.has_lora && long_k && p.rows >= 1024 * s.E_total) return 4;
