@@ -20,10 +20,11 @@ template <int I> constexpr bool matches_plan() {
   using C = typename ConfigOf<I, true>::type;
   constexpr GemmConfig g = kGemmConfigs[I];
   return C::BM == g.bm && C::BN == g.bn && C::BK == g.bk && C::WARPS_M == g.warps_m && C::WARPS_N == g.warps_n &&
-         C::STAGES == gemm_stages(g, true) && ConfigOf<I, false>::type::STAGES == gemm_stages(g, false) && C::WEIGHTS_AS_A == g.weights_as_a && C::WGMMA == g.wgmma && C::PRODUCER == g.producer;
+         C::STAGES == gemm_stages(g, true) && ConfigOf<I, false>::type::STAGES == gemm_stages(g, false) &&
+         C::WEIGHTS_AS_A == g.weights_as_a && C::WGMMA == g.wgmma && C::PRODUCER == g.producer;
 }
-static_assert(kNumGemmConfigs == 5 && matches_plan<0>() && matches_plan<1>() && matches_plan<2>() && matches_plan<3>() &&
-                  matches_plan<4>(),
+static_assert(kNumGemmConfigs == 5 && matches_plan<0>() && matches_plan<1>() && matches_plan<2>() &&
+                  matches_plan<3>() && matches_plan<4>(),
               "ConfigOf differs from plan.h kGemmConfigs");
 // The host's A4 fusion flag (kernels.h gemm_a4_fusable) must name exactly the tiles whose kernel quantizes a
 // (skinny_gemm_kernel: weights as A, two row groups of 16 a warp), or a would reach GEMM2 unquantized or twice.

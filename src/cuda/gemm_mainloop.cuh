@@ -24,6 +24,7 @@ template <int BM_, int BN_, int WARPS_M_, int WARPS_N_, int STAGES_, bool FP4_, 
 struct TileConfig {
   static constexpr int BM = BM_, BN = BN_, BK = 64, WARPS_M = WARPS_M_, WARPS_N = WARPS_N_, STAGES = STAGES_;
   static constexpr bool FP4 = FP4_, WEIGHTS_AS_A = WEIGHTS_AS_A_, WGMMA = WGMMA_, PRODUCER = PRODUCER_;
+  // plan.h's view (this instantiation's format: bf16_stages = STAGES).
   static constexpr GemmConfig kPlan{BM, BN, BK, WARPS_M, WARPS_N, STAGES, WEIGHTS_AS_A, WGMMA, PRODUCER, STAGES};
   static constexpr int THREADS = 32 * WARPS_M * WARPS_N;                 // the math threads
   static constexpr int PRODUCER_THREADS = PRODUCER ? static_cast<int>(kProducerThreads) : 0;
@@ -42,7 +43,7 @@ struct TileConfig {
   static_assert((BM * 8) % THREADS == 0 || BM * 8 < THREADS, "A chunks per thread");
   static_assert(B_BYTES % 16 == 0 && SF_BYTES % 16 == 0, "16-byte chunks");
   static_assert(!WGMMA || (WEIGHTS_AS_A && WARPS_N % 4 == 0 && A_BYTES % 1024 == 0), "wgmma: warpgroups, aligned B");
-  static_assert(!PRODUCER || WGMMA, "a producer warp feeds the wgmma tile (WsPipe's proxy fence, the kernel's loop)");
+  static_assert(!PRODUCER || WGMMA, "producer warps feed wgmma tiles only (WsPipe's proxy fence, the kernel's loop)");
 };
 
 // The stages' base in the dynamic shared memory: a wgmma tile's is rounded up to 1024 bytes (SMEM_BYTES holds

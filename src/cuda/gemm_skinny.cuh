@@ -67,8 +67,10 @@ __device__ __forceinline__ void weight_fragments(const uint8_t* st, const uint8_
 // Blocks an SM must hold (sets the register cap): as many as the stages' shared memory lets in (1 KB of it
 // reserved per block). On sm_90 (228 KB: NVFP4 config 0: 5, config 1: 4; bf16: 1); left to itself, ptxas gave
 // NVFP4 config 1 137 registers (3 blocks). Other architectures are not capped: their shared memory differs
-// (sm_80 164 KB, sm_89 / sm_120 100 KB) and 228 KB's counts made ptxas spill there. The wgmma tiles hold two
-// chunk sums of BM / 2 registers a thread: two blocks whatever their shared memory allows.
+// (sm_80 164 KB, sm_89 / sm_120 100 KB) and 228 KB's counts made ptxas spill there. The 64-token wgmma tile holds
+// BM / 2 accumulator registers a thread (its chunk sums in shared memory): two blocks. A tile with producer warps:
+// one (at two, ten warps a block put five on one scheduler, and ptxas capped the registers at 96 and serialized the
+// wgmmas).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
 constexpr int kSkinnySmemPerSm = 228 * 1024;
 #else
@@ -227,7 +229,8 @@ __device__ __forceinline__ void skinny_tile(const GemmProblem& g, const typename
         dev::wgmma_fence_acc(part);
         dev::wgmma_fence();
 #pragma unroll
-        for (int s = 0; s < 4; ++s) dev::Wgmma<Cfg::BM>::rs(part, w[s], dev::wgmma_desc_advance(desc0, off + 32 * s), true);
+        for (int s = 0; s < 4; ++s)
+          dev::Wgmma<Cfg::BM>::rs(part, w[s], dev::wgmma_desc_advance(desc0, off + 32 * s), true);
         dev::wgmma_commit();
         dev::wgmma_wait<1>();  // the k-block before: its stage and fragment buffer are free again
         pipe.release_older();
@@ -444,8 +447,8 @@ __device__ __forceinline__ void skinny_tile(const GemmProblem& g, const typename
 // every thread loading its share. With producer warps (one block an SM): a persistent block, tiles blockIdx.x,
 // + gridDim.x, ... in the grid's order (m tiles fastest: neighbours share a weight tile in L2); the producer warps
 // run through every tile's k-blocks without a break, so the next tile's first stages load during this one's
-// epilogue (ncu, mixtral_8x7b T=4096 GEMM1 with one tile a block: the epilogue ~20 % of the samples, nothing to
-// overlap it with at one block an SM).
+// epilogue. (H200, session 11 r2 -> r3: within ±3 % of one tile a block on its own; the math warps' epilogue, which
+// nothing overlaps at one block an SM, is what it leaves: bench/NOTES.md "Version 11".)
 template <class Cfg, class Epi, class Act>
 __global__ void __launch_bounds__(Cfg::BLOCK_THREADS, kSkinnyMinBlocks<Cfg>)
     skinny_gemm_kernel(GemmProblem g, typename Epi::Params ep) {
