@@ -170,7 +170,7 @@ inline constexpr GemmConfig kGemmConfigs[kNumGemmConfigs] = {
     // sm_90a, many rows an expert on long-K layers (plan.cpp): 128 tokens a wgmma (half the decode a FLOP of the tile
     // above), producer warps for the copies, one persistent block an SM (the registers: 64 accumulators a thread;
     // the chunk sums: 64 KB). (Without producer warps it was 8-31 % slower than tile 3: session 8 runs 3, 5.)
-    {128, 128, 64, 1, 8, 7, true, true, true, 4},
+    {128, 128, 64, 1, 8, 6, true, true, true, 4},
 };
 // The producer warps of a tile with GemmConfig::producer (two: one warp's copy issue, 32 cp.async a lane and
 // k-block for 128 tokens, would be most of its issue slots).

@@ -14,7 +14,7 @@ template <bool FP4> struct ConfigOf<0, FP4> { using type = SkinnyConfig<8, 4, 8,
 template <bool FP4> struct ConfigOf<1, FP4> { using type = SkinnyConfig<32, 4, 6, FP4>; };
 template <bool FP4> struct ConfigOf<2, FP4> { using type = TileConfig<64, 128, 2, 4, 3, FP4>; };
 template <bool FP4> struct ConfigOf<3, FP4> { using type = SkinnyConfig<64, 8, 4, FP4, 1, true>; };
-template <bool FP4> struct ConfigOf<4, FP4> { using type = SkinnyConfig<128, 8, FP4 ? 7 : 4, FP4, 1, true, true>; };
+template <bool FP4> struct ConfigOf<4, FP4> { using type = SkinnyConfig<128, 8, FP4 ? 6 : 4, FP4, 1, true, true>; };
 // The table above must match plan.h (the plan sizes grids and shared memory from kGemmConfigs).
 template <int I> constexpr bool matches_plan() {
   using C = typename ConfigOf<I, true>::type;
