@@ -320,9 +320,10 @@ __global__ void __launch_bounds__(512) lora_shrink2_kernel(LoraShrink2Params p) 
 void launch_lora_shrink1(const LoraShrink1Params& p, int threads, cudaStream_t stream) {
   if (p.T <= 0) return;
   lora_shrink1_kernel<<<dim3(static_cast<unsigned>(p.T), static_cast<unsigned>(p.max_items)), threads, 0, stream>>>(p);
-  const std::string what = "lora_shrink1_kernel (grid " + std::to_string(p.T) + " x " + std::to_string(p.max_items) +
-                           ", " + std::to_string(threads) + " threads)";
-  check_launch(what.c_str());
+  const cudaError_t e = cudaGetLastError();  // the grid in the message only on failure (not built every call)
+  if (e != cudaSuccess)
+    check_cuda(e, ("lora_shrink1_kernel (grid " + std::to_string(p.T) + " x " + std::to_string(p.max_items) + ", " +
+                   std::to_string(threads) + " threads)").c_str());
 }
 
 void launch_lora_shrink_tiled(const LoraTiledShrinkParams& p, cudaStream_t stream) {
