@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-# Where a producer-warp GEMM kernel's warps stall: the stall samples of each distinct kernel (first launch) in an ncu
+# Where a wgmma GEMM kernel's warps stall: the stall samples of each distinct kernel (first launch) in an ncu
 # source CSV (tools/device/ncu_profile.sh's src_*.csv), summed by region of the SASS: the producer warps' copy loop
-# (around the LDGSTS), the math warps' wgmma loop (around the HGMMA), before and after (chunk sums, epilogue).
-# Usage: python3 tools/ncu_stall_regions.py src_<shape>_T<T>.csv
+# (around the LDGSTS; tiles with producer warps), the math warps' wgmma loop (around the HGMMA), before and after
+# (chunk sums, epilogue); then the TOP (default 12) SASS lines by samples.
+# Usage: python3 tools/ncu_stall_regions.py src_<shape>_T<T>.csv [TOP]
 import csv, collections, sys
 rows = list(csv.reader(open(sys.argv[1])))
 starts = [i for i, r in enumerate(rows) if r and r[0] == "Kernel Name"]
@@ -21,12 +22,16 @@ for si in starts:
     print(f"  samples {tot:.0f}, SASS lines {len(data)}")
     hg = [i for i, r in enumerate(data) if "HGMMA" in r[1]]
     ld = [i for i, r in enumerate(data) if "LDGSTS" in r[1]]
-    if not hg or not ld:
-        print("  (no wgmma loop or no copy loop: not a producer-warp wgmma kernel)")
+    if not hg:
+        print("  (no wgmma loop)")
         continue
     lo, hi = min(hg) - 150, max(hg) + 40
-    regions = {"before": range(0, min(ld) - 60), "producer copy loop": range(min(ld) - 60, max(ld) + 60),
-               "math wgmma loop": range(max(lo, max(ld) + 60), hi), "after the loop (chunk sums, epilogue)": range(hi, len(data))}
+    if ld and max(ld) + 60 < lo:  # producer warps: their copy loop comes before the math loop
+        regions = {"before": range(0, min(ld) - 60), "producer copy loop": range(min(ld) - 60, max(ld) + 60),
+                   "math wgmma loop": range(max(lo, max(ld) + 60), hi)}
+    else:  # every warp loads its share in the loop
+        regions = {"before": range(0, lo), "wgmma loop (copies inside)": range(lo, hi)}
+    regions["after the loop (chunk sums, epilogue)"] = range(hi, len(data))
     for name, rg in regions.items():
         c = collections.Counter()
         for i in rg:
@@ -34,3 +39,6 @@ for si in starts:
                 c[col[6:]] += float(data[i][hdr.index(col)] or 0)
         s = sum(float(data[i][ia] or 0) for i in rg)
         print(f"  {name:40s} {s / tot * 100:5.1f} %  " + ", ".join(f"{k} {v / tot * 100:.1f} %" for k, v in c.most_common(5)))
+    top = int(sys.argv[2]) if len(sys.argv) > 2 else 12
+    for i in sorted(range(len(data)), key=lambda i: -float(data[i][ia] or 0))[:top]:
+        print(f"    line {i:5d} {float(data[i][ia] or 0) / tot * 100:5.1f} %  {data[i][1][:90]}")
