@@ -149,6 +149,10 @@ struct MoeArgs {
   // CUDA: the GEMM tile (index into plan.h's kGemmConfigs), -1 = chosen from the rows an expert. Any tile gives
   // the same bits (SPEC §4); forcing one is for tuning and tests. workspace_size must be asked with the same tile.
   int gemm_tile = -1;
+  // Bytes of workspace the token-proportional buffers may take (plan.h ProblemShape::workspace_budget; 0 = the
+  // default, kDefaultWorkspaceBudget): a larger batch runs in chunks that fit. workspace_size must be asked with
+  // the same budget.
+  int64_t workspace_budget = 0;
 };
 
 // Runs the operator on the backend of `weights`. Throws fp4moe::Error; y untouched on error.

@@ -503,6 +503,7 @@ void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& a
   s.max_lora_rank = lora ? max_rank : 0;
   s.wgmma = wgmma_supported_on(w.device_id);
   s.gemm_config = args.gemm_tile;
+  s.workspace_budget = args.workspace_budget;
   const MoePlan plan = make_plan(s);
   if (plan.num_chunks == 0) return;
   // lora_shrink1_kernel's grid: a token's items (plan.lora_shrink1_rows_per_item rank rows of one A each), the most

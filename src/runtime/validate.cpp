@@ -226,6 +226,7 @@ CallShape validate_moe_args(const MoeWeights& weights, const MoeArgs& a, const A
   // Any backend: a tile index out of range is a bad argument (the CPU reference has no tiles and ignores a valid
   // one; whether the device runs the wgmma tile is the CUDA plan's check).
   check_gemm_tile(a.gemm_tile);
+  if (a.workspace_budget < 0) invalid("workspace_budget", "expected >= 0 bytes (0 = the default)");
   if (a.workspace.present()) {
     if (dev != Backend::CUDA) invalid("workspace", "only the CUDA backend takes a workspace");
     if (a.workspace.dtype != DType::U8 || a.workspace.ndim != 1) invalid("workspace", "expected a 1-D uint8 tensor, got " + a.workspace.shape_str());

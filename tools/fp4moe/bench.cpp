@@ -62,6 +62,7 @@ int usage() {
       "  --mode a16|a4       activation mode (default a16); a4: FC1/FC2 input scales 1/448 and 12/2688 (x is N(0,1)),\n"
       "                      the shape's name gets +a4\n"
       "  --tile N            force GEMM tile N of kGemmConfigs (plan.h; MoeArgs::gemm_tile), default: the plan's choice\n"
+      "  --workspace-budget M  workspace budget in MiB (MoeArgs::workspace_budget; default: the library's, plan.h)\n"
       "  --quick             tokens 1,64,1024 and no extra repeats\n"
       "  --json FILE         write the results as JSON\n"
       "  --device N          CUDA device (default 0)\n",
@@ -73,6 +74,7 @@ struct Options {
   std::vector<const ModelShape*> shapes;
   std::vector<int64_t> tokens = kDefaultTokens;
   int runs = 50, max_runs = 400, sets = 3, device = 0, gemm_tile = -1;
+  int64_t workspace_budget = 0;  // bytes, 0 = the library's default
   double min_time_s = 0.05;
   bool lora = true, base = true, quick = false;
   WeightFormat format = WeightFormat::NVFP4;
@@ -157,6 +159,8 @@ Options parse_options(int argc, char** argv) {
       else throw std::invalid_argument("--mode: expected a16 or a4, got '" + v + "'");
     } else if (a == "--tile") {
       o.gemm_tile = static_cast<int>(as_int(a, need(i), 0, kNumGemmConfigs - 1));
+    } else if (a == "--workspace-budget") {
+      o.workspace_budget = as_int(a, need(i), 1, int64_t{1} << 20) << 20;
     } else if (a == "--quick") {
       o.quick = true;
     } else if (a == "--json") {
@@ -499,9 +503,11 @@ struct ShapeCtx {
   DevMem adapter_ids;
 };
 
-ProblemShape problem_of(const ShapeCtx& c, int64_t T, bool lora, WeightFormat format, ActMode mode, int tile) {
+ProblemShape problem_of(const ShapeCtx& c, int64_t T, bool lora, WeightFormat format, ActMode mode, int tile,
+                        int64_t budget) {
   ProblemShape s;
   s.gemm_config = tile;
+  s.workspace_budget = budget;
   s.wgmma = tile >= 0 && kGemmConfigs[tile].wgmma;  // (the workspace does not depend on it otherwise)
   s.T = T;
   s.H = c.shape->H;
@@ -521,10 +527,11 @@ ProblemShape problem_of(const ShapeCtx& c, int64_t T, bool lora, WeightFormat fo
 }
 
 MoeArgs make_args(const ShapeCtx& c, int64_t T, const void* x, const void* logits, void* y, const DevMem& ws,
-                  bool lora, ActMode mode, int tile, cudaStream_t stream, int dev) {
+                  bool lora, ActMode mode, int tile, int64_t budget, cudaStream_t stream, int dev) {
   const ModelShape& s = *c.shape;
   MoeArgs a;
   a.gemm_tile = tile;
+  a.workspace_budget = budget;
   a.x = make_view(const_cast<void*>(x), DType::BF16, {T, s.H}, Backend::CUDA, dev);
   a.routing.method = s.routing;
   a.routing.top_k = s.k;
@@ -628,7 +635,7 @@ CaseResult run_case(Device& d, ShapeCtx& c, const Pools& pools, int64_t T, bool 
   // backend ask for more, the call is retried once with twice the size.
   for (int attempt = 0;; ++attempt) {
     try {
-      size_t need = workspace_size(problem_of(c, T, lora, o.format, o.mode, o.gemm_tile));
+      size_t need = workspace_size(problem_of(c, T, lora, o.format, o.mode, o.gemm_tile, o.workspace_budget));
       if (attempt > 0) need = std::max(need, 2 * ws.bytes());
       if (ws.bytes() < need) {
         ws = DevMem();
@@ -637,7 +644,8 @@ CaseResult run_case(Device& d, ShapeCtx& c, const Pools& pools, int64_t T, bool 
       args.clear();
       for (int k = 0; k < sets; ++k)
         args.push_back(make_args(c, T, pools.x.as<uint16_t>() + k * pools.set_shift_x,
-                                 pools.logits.as<float>() + k * pools.set_shift_logits, y.get(), ws, lora, o.mode, o.gemm_tile, d.stream,
+                                 pools.logits.as<float>() + k * pools.set_shift_logits, y.get(), ws, lora, o.mode, o.gemm_tile,
+                                 o.workspace_budget, d.stream,
                                  d.id));
       for (int k = 0; k < sets; ++k) moe_run(c.w, args[k]);
       CK(cudaStreamSynchronize(d.stream));
@@ -856,6 +864,7 @@ int run_bench_cuda(const Options& o) {
     method.add("min_time_s", jnum(o.min_time_s)).add("input_sets", jint(o.sets)).add("warmup", jint(2 * o.sets));
     method.add("format", json::quote(o.format == WeightFormat::NVFP4 ? "nvfp4" : "bf16")).add("mode", json::quote(o.mode == ActMode::A4 ? "A4" : "A16"));
     method.add("gemm_tile", o.gemm_tile < 0 ? json::quote("plan") : jint(o.gemm_tile));
+    method.add("workspace_budget", jint(o.workspace_budget > 0 ? o.workspace_budget : kDefaultWorkspaceBudget));
     method.add("lora", json::quote("8 PEFT-fused adapters of rank 16, adapter_ids = t % 8"));
     method.add("weight_bytes", json::quote("per local expert routed to at least once: W1 + W2 (NVFP4: codes + e4m3 scales + fp32 "
                                     "global scales; bf16: 2 bytes an element); LoRA rows add the touched (adapter, expert) "
