@@ -87,6 +87,10 @@ struct MoePlan {
   int64_t n1 = 0;               // GEMM1 output columns (2I gated, I otherwise)
   int64_t n1_tiles = 0, n2_tiles = 0;
   int64_t max_m_tiles = 0;      // upper bound of sum_e ceil(rows_e / bm) over any routing
+  // Tile order of the routed GEMMs (src/cuda/gemm_grouped.cuh tile_of): bands of m_band1 / m_band2 m tiles, each
+  // band's tiles n by n with m fastest, so that the band's token rows (about kBandTokenBytes) stay in L2 while its
+  // weight tiles go by. 0: one band (the grid's m tiles, n tile by n tile; where m_tiles * n_tiles overflows an int).
+  int m_band1 = 0, m_band2 = 0;
   int64_t shared_n1 = 0, shared_n1_tiles = 0, shared_m_tiles = 0, shared_k2_pad = 0;
   size_t gemm_smem = 0;         // dynamic shared memory per GEMM block
   // Split-K of the weights-as-A tiles when their grid is small (decode): blocks per tile along K, in whole
@@ -136,7 +140,14 @@ struct MoePlan {
 };
 
 constexpr size_t kWorkspaceAlign = 256;
-constexpr int64_t kDefaultWorkspaceBudget = int64_t(512) << 20;
+// The token rows a band of m tiles reads (MoePlan::m_band1/2): a third of the H200's 50 MB L2, the rest for the
+// weight tiles in flight and the outputs going by.
+constexpr int64_t kBandTokenBytes = int64_t(16) << 20;
+// 4 GiB: a 16384-token batch of kimi_k3_tp8 (1.98 GB), qwen3_30b_a3b or mixtral_8x7b in one chunk, deepseek_v3_ep8
+// in two. The chunk's rows an expert set how full the GEMM tiles run: H200, 512 MiB -> 2 GiB (session 12 r2):
+// kimi_k3_tp8 T=16384 6202 -> 5257 us, deepseek_v3_ep8 7117 -> 5636 (8 GiB: 5380), qwen3_30b_a3b 5304 -> 5150,
+// mixtral_8x7b 36.6 -> 37.7 ms (one chunk of 134 MB of x no longer stays in L2).
+constexpr int64_t kDefaultWorkspaceBudget = int64_t(4) << 30;
 // Limits of this backend (beyond them: Error Unsupported naming the argument).
 constexpr int64_t kMaxTopK = 64;
 constexpr int64_t kMaxExpertsRouting = 4096;  // logits width the routing kernel keeps in shared memory

@@ -367,7 +367,7 @@ def moe(x, weights: MoeWeights, *, routing_logits=None, routing_bias=None, topk_
         per_token_x_scale: bool = False, shared_expert: MoeWeights | None = None, shared_alpha=None,
         shared_beta=None, shared_clamp_limit=None, adapters: AdapterRegistry | None = None, adapter_ids=None,
         gate_up_lora_delta=None, activation_out=None, out=None, workspace=None, stream=None,
-        precision="fp32", num_threads: int = 0, gemm_tile: int = -1, _runner=None):
+        precision="fp32", num_threads: int = 0, gemm_tile: int = -1, workspace_budget: int = 0, _runner=None):
     """The fused MoE layer (SPEC §3): y [T, H] bfloat16 = Σ_j w_tj · expert_e(x_t) (+ shared expert).
 
     Routing from routing_logits [T, E] (+ routing_bias [E]) or precomputed topk_ids int32 [T, k] and
@@ -376,6 +376,9 @@ def moe(x, weights: MoeWeights, *, routing_logits=None, routing_bias=None, topk_
     x's framework (NumPy for host arrays, PyTorch for torch tensors). gemm_tile forces one of the CUDA
     backend's GEMM tiles (an index into plan.h's kGemmConfigs; -1, the default: the plan's choice) for
     benchmarking; every tile gives the same bits (SPEC §4), so it never changes the output.
+    workspace_budget: bytes the token-proportional workspace buffers may take (0, the default: 4 GiB); a
+    larger batch runs in equal chunks that fit (same bits). A given `workspace` must be sized by
+    workspace_size with the same budget.
     """
     if not isinstance(weights, MoeWeights):
         raise error("weights", f"expected fp4moe.MoeWeights (from prepare_weights), got {type(weights).__name__}")
@@ -422,16 +425,18 @@ def moe(x, weights: MoeWeights, *, routing_logits=None, routing_bias=None, topk_
                0.0 if shared_beta is None else float(shared_beta),
                _clamp_value(shared_clamp_limit), shared_given,
                None if adapters is None else adapters.native,
-               _stream_of(stream, x, dev), int(prec), int(num_threads), int(gemm_tile))
+               _stream_of(stream, x, dev), int(prec), int(num_threads), int(gemm_tile), int(workspace_budget))
     return out
 
 
 def workspace_size(weights: MoeWeights, num_tokens: int, top_k: int, *, routing_from_logits: bool = True,
                    num_experts_total: int = 0, n_group: int = 1, activation=None, mode="a16",
-                   shared_expert: MoeWeights | None = None, max_lora_rank: int = 0) -> int:
+                   shared_expert: MoeWeights | None = None, max_lora_rank: int = 0,
+                   workspace_budget: int = 0) -> int:
     """Bytes of `workspace` the CUDA backend uses for a call with up to num_tokens tokens (0 on the CPU
     backend, which takes no workspace). The size does not decrease with num_tokens, so a buffer sized for
-    the largest batch serves every smaller one; passing it makes the call allocation-free (CUDA graphs)."""
+    the largest batch serves every smaller one; passing it makes the call allocation-free (CUDA graphs).
+    workspace_budget: as moe's (0 = the default, 4 GiB): the size stops growing there (chunks)."""
     if not isinstance(weights, MoeWeights):
         raise error("weights", f"expected fp4moe.MoeWeights, got {type(weights).__name__}")
     if weights._device[0] != "cuda":
@@ -445,7 +450,8 @@ def workspace_size(weights: MoeWeights, num_tokens: int, top_k: int, *, routing_
              "routing_from_logits": bool(routing_from_logits), "n_group": int(n_group),
              "has_shared": shared_expert is not None,
              "shared_I": 0 if shared_expert is None else shared_expert.inter,
-             "has_lora": int(max_lora_rank) > 0, "max_lora_rank": int(max_lora_rank)}
+             "has_lora": int(max_lora_rank) > 0, "max_lora_rank": int(max_lora_rank),
+             "workspace_budget": int(workspace_budget)}
     return int(_C.workspace_size(shape))
 
 

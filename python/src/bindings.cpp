@@ -295,7 +295,8 @@ MoeArgs make_moe_args(const nb::dict& t, Keep& keep, int routing_method, int64_t
                       int64_t local_expert_offset, int mode, float fc1_input_scale, float fc2_input_scale,
                       bool per_token_x_scale, const MoeWeights* shared_expert, float shared_alpha, float shared_beta,
                       float shared_clamp_limit, bool shared_params_given, const AdapterRegistry* adapters,
-                      uintptr_t stream, int precision, int num_threads, int gemm_tile) {
+                      uintptr_t stream, int precision, int num_threads, int gemm_tile,
+                      int64_t workspace_budget) {
   MoeArgs a;
   a.x = get(t, "x", keep);
   a.routing.method = static_cast<RoutingMethod>(routing_method);
@@ -332,6 +333,7 @@ MoeArgs make_moe_args(const nb::dict& t, Keep& keep, int routing_method, int64_t
   a.precision = static_cast<Precision>(precision);
   a.num_threads = num_threads;
   a.gemm_tile = gemm_tile;
+  a.workspace_budget = workspace_budget;
   return a;
 }
 
@@ -340,11 +342,12 @@ MoeArgs make_moe_args(const nb::dict& t, Keep& keep, int routing_method, int64_t
       int activation, int64_t num_experts_total, int64_t local_expert_offset, int mode, float fc1_input_scale,   \
       float fc2_input_scale, bool per_token_x_scale, const MoeWeights *shared_expert, float shared_alpha,         \
       float shared_beta, float shared_clamp_limit, bool shared_params_given, const AdapterRegistry *adapters,     \
-      uintptr_t stream, int precision, int num_threads, int gemm_tile
+      uintptr_t stream, int precision, int num_threads, int gemm_tile, int64_t workspace_budget
 #define FP4MOE_MOE_ARGS                                                                                            \
   routing_method, top_k, n_group, topk_group, routed_scaling_factor, activation, num_experts_total,              \
       local_expert_offset, mode, fc1_input_scale, fc2_input_scale, per_token_x_scale, shared_expert, shared_alpha, \
-      shared_beta, shared_clamp_limit, shared_params_given, adapters, stream, precision, num_threads, gemm_tile
+      shared_beta, shared_clamp_limit, shared_params_given, adapters, stream, precision, num_threads, gemm_tile, \
+      workspace_budget
 
 void py_moe_run(const MoeWeights& weights, const nb::dict& t, FP4MOE_MOE_PARAMS) {
   check_keys(t, {"x", "routing_logits", "routing_bias", "topk_ids", "topk_weights", "gemm1_alpha", "gemm1_beta",
@@ -562,7 +565,7 @@ NB_MODULE(_C, m) {
         nb::arg("fc2_input_scale"), nb::arg("per_token_x_scale"), nb::arg("shared_expert").none(),
         nb::arg("shared_alpha"), nb::arg("shared_beta"), nb::arg("shared_clamp_limit"),
         nb::arg("shared_params_given"), nb::arg("adapters").none(), nb::arg("stream"), nb::arg("precision"),
-        nb::arg("num_threads"), nb::arg("gemm_tile"));
+        nb::arg("num_threads"), nb::arg("gemm_tile"), nb::arg("workspace_budget"));
   // ---- multi-GPU (fp4moe.distributed) ----
   m.def("nccl_available", &nccl_available, "Whether this build has the NCCL path and libnccl could be opened.");
   m.def("nccl_unavailable_reason", &nccl_unavailable_reason);
@@ -593,7 +596,7 @@ NB_MODULE(_C, m) {
         nb::arg("local_expert_offset"), nb::arg("mode"), nb::arg("fc1_input_scale"), nb::arg("fc2_input_scale"),
         nb::arg("per_token_x_scale"), nb::arg("shared_expert").none(), nb::arg("shared_alpha"), nb::arg("shared_beta"),
         nb::arg("shared_clamp_limit"), nb::arg("shared_params_given"), nb::arg("adapters").none(), nb::arg("stream"),
-        nb::arg("precision"), nb::arg("num_threads"), nb::arg("gemm_tile"));
+        nb::arg("precision"), nb::arg("num_threads"), nb::arg("gemm_tile"), nb::arg("workspace_budget"));
   m.def("parallel_workspace_size", [](int64_t T, int64_t H, int world, int output) {
     return parallel_workspace_size(T, H, world, static_cast<ParallelOutput>(output));
   }, nb::arg("num_tokens"), nb::arg("hidden"), nb::arg("world"), nb::arg("output") = 0);

@@ -739,6 +739,7 @@ void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& a
     g1.tile_info = tile_info;
     g1.expert_offsets = expert_offsets;
     g1.max_tiles = static_cast<int>(plan.max_m_tiles);
+    g1.m_band = plan.m_band1;
     g1.B = dw->w1;
     Epilogue1Params e1 = epilogue1_for(*dw, act_buf, static_cast<int>(k), a4 ? x_scale : nullptr);
     e1.delta = args.gate_up_lora_delta.present() ? static_cast<const uint16_t*>(args.gate_up_lora_delta.data) + t0 * k * N1
@@ -788,6 +789,7 @@ void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& a
     g2.lda = I;
     g2.K = static_cast<int>(I);
     g2.gather_k = 0;
+    g2.m_band = plan.m_band2;
     g2.B = dw->w2;
     Epilogue2Params e2 = epilogue2_for(*dw, out_buf, static_cast<int>(k), fc2_scale);
     e2.lora = expand(lora_t2, plan.lora_r2_stride, kLoraDown);

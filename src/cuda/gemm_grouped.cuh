@@ -4,6 +4,7 @@
 #include <type_traits>
 
 #include "common/activation.h"
+#include "common/tile_order.h"
 #include "cuda/gemm_mainloop.cuh"
 #include "cuda/lora_expand.cuh"
 #include "cuda/pdl.cuh"
@@ -35,6 +36,16 @@ __device__ __forceinline__ bool resolve_tile(const GemmProblem& g, TileRows& tr,
   return true;
 }
 
+// The (m, n) tile of this block of a grid (m tiles, n tiles[, splits]).
+__device__ __forceinline__ void grid_tile(int band, int& m, int& n) {
+  if (band <= 0) {
+    m = static_cast<int>(blockIdx.x);
+    n = static_cast<int>(blockIdx.y);
+  } else {
+    tile_of(static_cast<int>(blockIdx.y * gridDim.x + blockIdx.x), static_cast<int>(gridDim.x),
+            static_cast<int>(gridDim.y), band, m, n);
+  }
+}
 
 // The epilogues work on pairs of adjacent outputs (col even, col + 1) of one row, so that every kernel
 // (the mma.sync tile below, the weights-as-A tile of gemm_skinny.cuh) shares one arithmetic per output:
@@ -320,9 +331,11 @@ __global__ void __launch_bounds__(Cfg::THREADS) grouped_gemm_kernel(GemmProblem 
   extern __shared__ __align__(128) uint8_t smem[];
   dev::pdl_wait();
   dev::pdl_launch_dependents();
+  int m, n;
+  grid_tile(g.m_band, m, n);
   TileRows tr;
-  if (!resolve_tile<Cfg::BM>(g, tr)) return;
-  const int n0 = static_cast<int>(blockIdx.y) * Cfg::BN;
+  if (!resolve_tile<Cfg::BM>(g, tr, m)) return;
+  const int n0 = n * Cfg::BN;
 
   TileLoader<Cfg> ld(g, tr, n0, 0);
   __shared__ dev::LoraRowRef s_lora_rows[Cfg::BM];

@@ -465,24 +465,30 @@ __global__ void __launch_bounds__(Cfg::BLOCK_THREADS, kSkinnyMinBlocks<Cfg>)
     WsPipe<Cfg> pipe(smem);
     if (pipe.producer()) {
       for (int L = blockIdx.x; L < total; L += gridDim.x) {
+        int m, n;
+        tile_of(L, m_count, n_count, g.m_band, m, n);
         TileRows tr;
-        resolve_tile<Cfg::BM>(g, tr, L % m_count);
-        pipe.produce(g, tr, (L / m_count) * Cfg::BN, 0, KB);
+        resolve_tile<Cfg::BM>(g, tr, m);
+        pipe.produce(g, tr, n * Cfg::BN, 0, KB);
       }
       pipe.drain();
       return;  // the rest is the math warps' (math_sync, not __syncthreads)
     }
     for (int L = blockIdx.x; L < total; L += gridDim.x) {
+      int m, n;
+      tile_of(L, m_count, n_count, g.m_band, m, n);
       TileRows tr;
-      resolve_tile<Cfg::BM>(g, tr, L % m_count);
+      resolve_tile<Cfg::BM>(g, tr, m);
       if (L != static_cast<int>(blockIdx.x)) math_sync<Cfg>();  // the last tile's epilogue has read its shared rows
-      skinny_tile<Cfg, Epi, Act>(g, ep, smem, tr, (L / m_count) * Cfg::BN, KRange{0, KB}, pipe);
+      skinny_tile<Cfg, Epi, Act>(g, ep, smem, tr, n * Cfg::BN, KRange{0, KB}, pipe);
     }
   } else {
+    int m, n;
+    grid_tile(g.m_band, m, n);
     TileRows tr;
-    if (!resolve_tile<Cfg::BM>(g, tr)) return;
+    if (!resolve_tile<Cfg::BM>(g, tr, m)) return;
     const KRange kr = k_range(KB, static_cast<int>(blockIdx.z), g.split);
-    const int nb = static_cast<int>(blockIdx.y) * Cfg::BN;
+    const int nb = n * Cfg::BN;
     TilePipeline<Cfg> pipe(smem, g, tr, nb, kr.begin, kr.end - kr.begin);
     skinny_tile<Cfg, Epi, Act>(g, ep, smem, tr, nb, kr, pipe);
   }

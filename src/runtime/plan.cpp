@@ -87,8 +87,10 @@ MoePlan make_plan(const ProblemShape& shape) {
   const int64_t max_chunk_rows = int64_t(1) << 30;
   int64_t chunk = std::max<int64_t>(1, s.workspace_budget / per_token);
   chunk = std::min(chunk, max_chunk_rows / k);
-  p.chunk_tokens = std::min(chunk, s.T);
-  p.num_chunks = s.T == 0 ? 0 : ceil_div(s.T, p.chunk_tokens);
+  // The fewest chunks the budget allows, of equal size (the last one at most num_chunks - 1 tokens short): a small
+  // last chunk would pay the whole pipeline's fixed costs for a few tokens, and its experts' tiles run nearly empty.
+  p.num_chunks = s.T == 0 ? 0 : ceil_div(s.T, chunk);
+  p.chunk_tokens = s.T == 0 ? 0 : ceil_div(s.T, p.num_chunks);
   p.rows = p.chunk_tokens * k;
 
   // Routing: one warp per token, each with its shared-memory scores, keys and group scores (the kernel runs only
@@ -148,6 +150,14 @@ MoePlan make_plan(const ProblemShape& shape) {
     return p.rows == 0 ? 0 : ceil_div(p.rows, c.bm) + std::min<int64_t>(s.E_loc, p.rows);
   };
   p.max_m_tiles = m_tiles_of(g);
+  // Without bands a grid's m tiles run n tile by n tile, and once a chunk's token rows outgrow the L2 every n tile
+  // reads them from HBM again (kimi_k3_tp8 at T=16384: 940 MB of gathered GEMM1 rows, six n tiles).
+  auto band_of = [&](int64_t K, int64_t n_tiles) {
+    if (p.max_m_tiles * n_tiles > 0x7fffffff) return 0;
+    return static_cast<int>(std::clamp<int64_t>(kBandTokenBytes / (g.bm * K * 2), 1, std::max<int64_t>(1, p.max_m_tiles)));
+  };
+  p.m_band1 = band_of(p.k1_pad, p.n1_tiles);
+  p.m_band2 = band_of(p.k2_pad, p.n2_tiles);
   if (s.has_shared) {
     p.shared_n1 = s.gated ? 2 * s.shared_I : s.shared_I;
     p.shared_n1_tiles = ceil_div(p.shared_n1, g.bn);

@@ -127,6 +127,7 @@ std::vector<BadCase> cases() {
       {"negative_threads", "num_threads", ErrorCode::InvalidArgument, [](Fixture&, MoeArgs& a) { a.num_threads = -1; }},
       {"gemm_tile_out_of_range", "gemm_tile", ErrorCode::InvalidArgument, [](Fixture&, MoeArgs& a) { a.gemm_tile = kNumGemmConfigs; }},
       {"gemm_tile_negative", "gemm_tile", ErrorCode::InvalidArgument, [](Fixture&, MoeArgs& a) { a.gemm_tile = -2; }},
+      {"workspace_budget_negative", "workspace_budget", ErrorCode::InvalidArgument, [](Fixture&, MoeArgs& a) { a.workspace_budget = -1; }},
       {"workspace_on_cpu", "workspace", ErrorCode::InvalidArgument, [](Fixture&, MoeArgs& a) { a.workspace = make_view(g_bf16_buf.data(), DType::U8, {16}); }},
   };
 }

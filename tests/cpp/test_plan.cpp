@@ -4,8 +4,10 @@
 
 #include <algorithm>
 #include <random>
+#include <tuple>
 #include <vector>
 
+#include "common/tile_order.h"
 #include "fp4moe/plan.h"
 
 namespace fp4moe {
@@ -62,6 +64,8 @@ void check_plan(const ProblemShape& s, std::mt19937_64& rng) {
     EXPECT_LE(p.chunk_tokens, T);
     EXPECT_GE(p.num_chunks * p.chunk_tokens, T);
     EXPECT_LT((p.num_chunks - 1) * p.chunk_tokens, T);
+    // Chunks of equal size: the last at most num_chunks - 1 tokens short of the others.
+    EXPECT_GE(T - (p.num_chunks - 1) * p.chunk_tokens, p.chunk_tokens - (p.num_chunks - 1));
     EXPECT_EQ(p.rows, p.chunk_tokens * k);
     EXPECT_LT(p.rows, int64_t(1) << 31);
   }
@@ -88,6 +92,18 @@ void check_plan(const ProblemShape& s, std::mt19937_64& rng) {
 
   // GEMM tiles cover N and K; the tile fits the warp grid; shared memory within the sm_90 limit.
   const GemmConfig& g = p.gemm;
+  // Tile bands (tile_of): a band's token rows within kBandTokenBytes (one m tile at least), set only where the grid's
+  // places fit an int.
+  for (const auto& [band, K, n_tiles] : {std::tuple{p.m_band1, p.k1_pad, p.n1_tiles}, std::tuple{p.m_band2, p.k2_pad, p.n2_tiles}}) {
+    EXPECT_GE(band, 0);
+    EXPECT_LE(band, std::max<int64_t>(1, p.max_m_tiles));
+    if (band > 0) {
+      EXPECT_LE(p.max_m_tiles * n_tiles, 0x7fffffff);
+      EXPECT_TRUE(band == 1 || band * g.bm * K * 2 <= kBandTokenBytes) << band;
+    } else {
+      EXPECT_GT(p.max_m_tiles * n_tiles, 0x7fffffff);
+    }
+  }
   EXPECT_EQ(g.bk, 64);  // the prepared weight layout is blocked by 64 along K
   if (g.weights_as_a) {  // 16 or 32 weight rows per warp, tokens in groups of 8
     EXPECT_EQ(g.warps_m, 1);
@@ -304,6 +320,37 @@ TEST(Plan, RandomShapes) {
     const int64_t T = std::uniform_int_distribution<int64_t>(0, 65536)(rng);
     check_plan(random_shape(rng, H, I, T), rng);
     if (HasFatalFailure()) return;
+  }
+}
+
+// tile_of walks every tile of the grid once, band by band, each band's tiles n by n with m fastest.
+TEST(Plan, TileOrderIsAPermutationInBands) {
+  std::mt19937_64 rng(5);
+  for (int it = 0; it < 400; ++it) {
+    const int m_tiles = std::uniform_int_distribution<int>(1, 300)(rng), n_tiles = std::uniform_int_distribution<int>(1, 40)(rng);
+    const int band = std::uniform_int_distribution<int>(0, m_tiles + 3)(rng);
+    const int width = band == 0 || band > m_tiles ? m_tiles : band;
+    SCOPED_TRACE(::testing::Message() << "m_tiles=" << m_tiles << " n_tiles=" << n_tiles << " band=" << band);
+    std::vector<int> seen(static_cast<size_t>(m_tiles) * n_tiles, 0);
+    int pm = -1, pn = -1;
+    for (int L = 0; L < m_tiles * n_tiles; ++L) {
+      int m = -1, n = -1;
+      tile_of(L, m_tiles, n_tiles, band, m, n);
+      ASSERT_TRUE(m >= 0 && m < m_tiles && n >= 0 && n < n_tiles) << "L=" << L << " -> (" << m << ", " << n << ")";
+      ++seen[static_cast<size_t>(n) * m_tiles + m];
+      if (L > 0) {
+        if (m / width == pm / width) {  // same band: m fastest, then n
+          EXPECT_TRUE((n == pn && m == pm + 1) || (n == pn + 1 && m == m / width * width)) << "L=" << L;
+        } else {  // the next band starts at its first tile
+          EXPECT_EQ(m / width, pm / width + 1);
+          EXPECT_EQ(m % width, 0);
+          EXPECT_EQ(n, 0);
+        }
+      }
+      pm = m;
+      pn = n;
+    }
+    EXPECT_TRUE(std::all_of(seen.begin(), seen.end(), [](int c) { return c == 1; }));
   }
 }
 

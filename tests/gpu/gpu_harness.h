@@ -90,6 +90,7 @@ struct Case {
   uint64_t seed = 1;
   int64_t check_tokens = 16;  // reference on at most this many tokens (spread over the batch)
   int gemm_tile = -1;         // MoeArgs::gemm_tile (-1: the plan's choice)
+  int64_t workspace_budget = 0;  // MoeArgs::workspace_budget (0: the default)
 };
 
 // Weights of a case, prepared for the CPU reference and for the GPU.
@@ -169,6 +170,7 @@ inline Inputs make_inputs(const Case& c) {
 inline MoeArgs base_args(const Case& c, const Inputs& in) {
   MoeArgs a;
   a.gemm_tile = c.gemm_tile;
+  a.workspace_budget = c.workspace_budget;
   a.routing.method = c.shape.routing;
   a.routing.top_k = c.shape.k;
   a.routing.n_group = c.shape.n_group;
@@ -200,6 +202,7 @@ inline ProblemShape problem_shape(const Case& c) {
   ps.T = c.T; ps.H = c.shape.H; ps.I = c.shape.I; ps.E_loc = c.E_loc; ps.E_total = c.E_total; ps.k = c.shape.k;
   ps.activation = c.shape.activation; ps.gated = is_gated(c.shape.activation); ps.mode = c.mode; ps.format = c.format;
   ps.has_shared = c.shared; ps.shared_I = c.shared_I; ps.gemm_config = c.gemm_tile;
+  ps.workspace_budget = c.workspace_budget;
   return ps;
 }
 

@@ -455,6 +455,7 @@ TEST(GpuLoraWorkspace, GivenWorkspaceAndChunks) {
   c.T = 9000;
   c.check_tokens = 8;
   c.seed = 61;
+  c.workspace_budget = int64_t(512) << 20;  // three chunks of 3000 tokens
   auto layer = make_layer(c);
   Registries R(*layer, 4);
   R.load(0, *layer, {LoraLayout::PeftFused, 16, false, false, 601});

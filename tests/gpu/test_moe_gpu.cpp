@@ -428,8 +428,29 @@ TEST(GpuChunks, LargeBatchChunked) {
   c.E_loc = c.E_total = 32;
   c.T = 9000;
   c.check_tokens = 12;
-  EXPECT_GT(make_plan(problem_shape(c)).num_chunks, 1);
+  c.workspace_budget = int64_t(512) << 20;  // 4439 tokens a chunk: three chunks of 3000
+  EXPECT_EQ(make_plan(problem_shape(c)).num_chunks, 3);
   check_case(c, nullptr, "kimi chunked");
+  // The same bits in one chunk (the default budget) and in chunks of 3000 or 1 (SPEC §4: a token's arithmetic
+  // does not depend on its batch).
+  auto layer = make_layer(c);
+  Inputs in = make_inputs(c);
+  const auto y = run_gpu(layer->gpu, *make_gpu_call(c, in, *layer));
+  Case one = c;
+  one.workspace_budget = 0;
+  EXPECT_EQ(make_plan(problem_shape(one)).num_chunks, 1);
+  EXPECT_TRUE(run_gpu(layer->gpu, *make_gpu_call(one, in, *layer)) == y) << "one chunk differs from three";
+  Case tiny = c;
+  tiny.T = 40;
+  tiny.workspace_budget = 1;  // one token a chunk
+  std::vector<int64_t> picks;
+  for (int64_t t = 0; t < tiny.T; ++t) picks.push_back(t * 211);
+  const Inputs it = sub_inputs(in, picks);
+  EXPECT_EQ(make_plan(problem_shape(tiny)).num_chunks, 40);
+  const auto yt = run_gpu(layer->gpu, *make_gpu_call(tiny, it, *layer));
+  for (int64_t i = 0; i < tiny.T; ++i)
+    EXPECT_TRUE(std::equal(yt.begin() + i * in.H, yt.begin() + (i + 1) * in.H, y.begin() + picks[i] * in.H))
+        << "token " << picks[i] << " differs in a one-token chunk";
 }
 
 // ---- shared expert with A4 per-token x scales --------------------------------------------------------------

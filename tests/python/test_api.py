@@ -420,6 +420,20 @@ def test_gemm_tile_argument():
     assert np.all(sentinel.astype(np.float32) == 7.0)
 
 
+def test_workspace_budget_argument():
+    # workspace_budget (the CUDA plan's chunking bound) never changes the bits; negative it is refused by name, on
+    # the CPU backend too, with the output untouched.
+    w, x, logits = swiglu_layer(11)
+    kw = dict(routing_logits=logits, top_k=K, routing_method="Renormalize")
+    y = fp4moe.moe(x, w, **kw)
+    for budget in (1, 1 << 20):
+        assert fp4moe.moe(x, w, workspace_budget=budget, **kw).view(np.uint16).tobytes() == y.view(np.uint16).tobytes()
+    sentinel = np.full((T, H), 7.0, dtype=BF16)
+    with pytest.raises(fp4moe.Fp4MoeError, match="workspace_budget"):
+        fp4moe.moe(x, w, workspace_budget=-1, out=sentinel, **kw)
+    assert np.all(sentinel.astype(np.float32) == 7.0)
+
+
 def test_shared_expert():
     rng = np.random.default_rng(21)
     q = quantized(rng, E, H, I)
