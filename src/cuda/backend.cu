@@ -31,18 +31,36 @@ void check_cuda(cudaError_t e, const char* what) {
 void check_launch(const char* kernel) { check_cuda(cudaGetLastError(), kernel); }
 
 // ---- device queries (asked on every call / launch: cached per device) -----------------------------------
-int compute_capability(int dev) {
-  static std::atomic<int> known[64] = {};  // 0 unknown, else major * 10 + minor
+namespace {
+// One positive device attribute, asked of the driver once per device (0 in `known`: not asked yet).
+template <class Query> int cached_per_device(std::atomic<int> (&known)[64], int dev, Query query) {
   if (dev >= 0 && dev < 64) {
-    const int cc = known[dev].load(std::memory_order_relaxed);
-    if (cc != 0) return cc;
+    const int v = known[dev].load(std::memory_order_relaxed);
+    if (v != 0) return v;
   }
-  int major = 0, minor = 0;
-  check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), "cudaDeviceGetAttribute");
-  check_cuda(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev), "cudaDeviceGetAttribute");
-  const int cc = major * 10 + minor;
-  if (dev >= 0 && dev < 64) known[dev].store(cc, std::memory_order_relaxed);
-  return cc;
+  const int v = query();
+  if (dev >= 0 && dev < 64) known[dev].store(v, std::memory_order_relaxed);
+  return v;
+}
+}  // namespace
+
+int compute_capability(int dev) {
+  static std::atomic<int> known[64] = {};  // major * 10 + minor
+  return cached_per_device(known, dev, [dev] {
+    int major = 0, minor = 0;
+    check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), "cudaDeviceGetAttribute");
+    check_cuda(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev), "cudaDeviceGetAttribute");
+    return major * 10 + minor;
+  });
+}
+
+int sm_count(int dev) {
+  static std::atomic<int> known[64] = {};
+  return cached_per_device(known, dev, [dev] {
+    int sms = 0;
+    check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute(SMs)");
+    return sms;
+  });
 }
 
 // The build carries SASS only, never JIT-ed PTX: FP4MOE_WITH_SM90A is set when FP4MOE_CUDA_ARCHS lists 90a.
@@ -506,18 +524,17 @@ void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& a
   s.workspace_budget = args.workspace_budget;
   const MoePlan plan = make_plan(s);
   if (plan.num_chunks == 0) return;
-  // lora_shrink1_kernel's grid: a token's items (plan.lora_shrink1_rows_per_item rank rows of one A each), the most
-  // over the loaded slots, at least one (block 0 publishes the token's slot). Once a call, not once a chunk.
+  // lora_shrink1_kernel's grid: a token's items (shrink1_items, as the kernel counts them), the most over the loaded
+  // slots, at least one (block 0 publishes the token's slot). Once a call, not once a chunk.
   int shrink1_max_items = 1;
   if (lora) {
-    const int rpi = plan.lora_shrink1_rows_per_item;
-    const auto items = [&](int64_t r) { return static_cast<int>((r + rpi - 1) / rpi); };
     for (const auto& a : *adapters) {
       if (!a) continue;
-      const int routed = a->has_gate_up && (a->a1_shared || !plan.lora_shrink_tiled)
-                             ? static_cast<int>(a->a1_shared ? 1 : args.routing.top_k) * items(a->r1) : 0;
-      const int shared = sw && a->has_shared && a->s_has_gate_up ? items(a->s_r) : 0;
-      shrink1_max_items = std::max(shrink1_max_items, routed + shared);
+      const Shrink1Items n = shrink1_items(a->has_gate_up ? static_cast<int>(a->r1) : 0, a->a1_shared,
+                                           sw && a->has_shared && a->s_has_gate_up ? static_cast<int>(a->s_r) : 0,
+                                           static_cast<int>(args.routing.top_k), plan.lora_shrink1_rows_per_item,
+                                           plan.lora_shrink_tiled);
+      shrink1_max_items = std::max(shrink1_max_items, n.routed + n.shared);
     }
   }
 

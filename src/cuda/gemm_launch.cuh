@@ -50,10 +50,9 @@ void launch_grouped(const GemmProblem& g, const typename Epi::Params& ep, int n_
   const unsigned splits = Cfg::WEIGHTS_AS_A ? static_cast<unsigned>(g.split) : 1u;  // split-K: skinny tiles only
   dim3 grid(static_cast<unsigned>(m_tiles), static_cast<unsigned>(n_tiles), splits);
   if constexpr (Cfg::PRODUCER) {  // persistent: one block an SM over the tiles (never split: plan.cpp split_of)
-    int dev = 0, sms = 0;
+    int dev = 0;
     check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
-    check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute(SMs)");
-    grid = dim3(static_cast<unsigned>(std::min<int64_t>(static_cast<int64_t>(m_tiles) * n_tiles, sms)), 1, 1);
+    grid = dim3(static_cast<unsigned>(std::min<int64_t>(static_cast<int64_t>(m_tiles) * n_tiles, sm_count(dev))), 1, 1);
   }
   launch_pdl(kernel, grid, dim3(Cfg::BLOCK_THREADS), Cfg::SMEM_BYTES, stream, "grouped_gemm_kernel", g, ep);
 }

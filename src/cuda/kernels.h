@@ -62,6 +62,18 @@ struct LoraProj {
   int32_t pad = 0;
 };
 enum LoraWhich : int { kLoraGateUp = 0, kLoraDown = 1, kLoraSharedGateUp = 2, kLoraSharedDown = 3 };
+// lora_shrink1_kernel's blocks (grid y) of one token: its routed entries' gate_up A in rpi-row items (k entries, or
+// one for an A shared by the experts; none when the tiled shrink takes the routed rows), then the shared expert's.
+// gu_r, sg_r: the slot's ranks (0 without that projection). The kernel and its launch (backend.cu: grid y = the most
+// over the loaded slots) both count them here.
+struct Shrink1Items {
+  int per_entry, routed, shared;
+};
+FP4MOE_HD Shrink1Items shrink1_items(int gu_r, bool gu_a_shared, int sg_r, int k, int rpi, bool routed_in_tiles) {
+  const int per_entry = (gu_r + rpi - 1) / rpi;
+  return {per_entry, gu_r > 0 && (gu_a_shared || !routed_in_tiles) ? (gu_a_shared ? 1 : k) * per_entry : 0,
+          sg_r > 0 ? (sg_r + rpi - 1) / rpi : 0};
+}
 // One registry slot as the kernels see it (a device array [num_slots], one per adapter snapshot).
 struct LoraSlot {
   LoraProj proj[4];      // by LoraWhich
@@ -270,6 +282,8 @@ void launch_permute(const PermuteParams& p, cudaStream_t stream);
 void launch_order_by_adapter(const PermuteParams& p, cudaStream_t stream);
 // Device dev's compute capability, major * 10 + minor (cached per device; backend.cu).
 int compute_capability(int dev);
+// Device dev's SM count (cached per device; backend.cu).
+int sm_count(int dev);
 // Whether device dev runs the sm_90a wgmma tiles (plan.h kGemmConfigs[3], [4]; ProblemShape::wgmma): compute capability
 // 9.0 and a build with sm_90a code.
 bool wgmma_supported_on(int dev);

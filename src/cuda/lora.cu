@@ -172,24 +172,23 @@ __global__ void __launch_bounds__(512) lora_shrink1_kernel(LoraShrink1Params p) 
     if (slot >= 0) {
       const LoraProj gu = p.table[slot].proj[kLoraGateUp];
       const LoraProj sg = p.shared_expert ? p.table[slot].proj[kLoraSharedGateUp] : LoraProj{};
-      const int rpi = p.rows_per_item, mb_gu = (gu.r + rpi - 1) / rpi;
-      const int n_routed = gu.r > 0 && (gu.a_shared || !p.routed_in_tiles) ? (gu.a_shared ? 1 : p.k) * mb_gu : 0;
-      const int n_shared = sg.r > 0 ? (sg.r + rpi - 1) / rpi : 0;
-      if (y < n_routed) {
-        const int j = y / mb_gu, entry = t * p.k + j;
+      const int rpi = p.rows_per_item;
+      const Shrink1Items n = shrink1_items(gu.r, gu.a_shared != 0, sg.r, p.k, rpi, p.routed_in_tiles);
+      if (y < n.routed) {
+        const int j = y / n.per_entry, entry = t * p.k + j;
         int e = 0;
         if (!gu.a_shared) e = p.ids[entry] - p.local_offset;
         if (e >= 0 && e < p.E_loc) {  // else another rank's expert or a dropped id: no GEMM row reads it
           it.A = gu.A + static_cast<int64_t>(e) * gu.r * p.H;
           it.dst = p.t1 + static_cast<int64_t>(entry) * p.t1_stride;
           it.r = gu.r;
-          it.i0 = (y % mb_gu) * rpi;
+          it.i0 = (y % n.per_entry) * rpi;
         }
-      } else if (y < n_routed + n_shared) {
+      } else if (y < n.routed + n.shared) {
         it.A = sg.A;
         it.dst = p.st1 + static_cast<int64_t>(t) * p.st_stride;
         it.r = sg.r;
-        it.i0 = (y - n_routed) * rpi;
+        it.i0 = (y - n.routed) * rpi;
       }
     }
     s_item = it;
