@@ -8,6 +8,8 @@
 // 8- or 16-row fragments hold few adapters (the epilogue's expand makes one pass per adapter of a fragment). A row's
 // result does not depend on its position, so the order changes no bits.
 // Ids outside [0, E_total) are dropped and raise the device error flag (never an out-of-bounds access).
+#include <algorithm>
+
 #include "cuda/kernels.h"
 #include "cuda/pdl.cuh"
 
@@ -199,27 +201,35 @@ __global__ void place_kernel(PermuteParams p) {
   place_entries(p, next, begin, min(begin + p.entries_per_block, p.rows), nullptr);
 }
 
-// One block per local expert: its rows [offs[e], offs[e+1]) re-ordered by (token slot, entry); the rank of a row is
-// the number of rows before it in that order (a segment of more than kMaxOrderRows rows keeps its entry order).
+// One block per (local expert, segment of kMaxOrderRows rows): the segment's rows re-ordered in place by (token
+// slot, entry); the rank of a row is the number of the segment's rows before it in that order. A larger expert's
+// segments are ordered each on its own: its GEMM tiles (rows from a multiple of bm, which divides kMaxOrderRows)
+// still mostly hold one adapter. (Experts above kMaxOrderRows rows once kept their entry order: mixtral_8x7b at
+// T=16384 in one chunk has 4096 rows an expert, every tile then held all eight adapters and the expand ran eight
+// passes a token group: 50.3 ms against 33.0 without LoRA, H200 session 12 r4.)
 constexpr int kMaxOrderRows = 2048;
 __global__ void __launch_bounds__(256) order_by_adapter_kernel(PermuteParams p) {
   dev::pdl_wait();
   dev::pdl_launch_dependents();
   __shared__ int s_entry[kMaxOrderRows], s_key[kMaxOrderRows];
   const int e = static_cast<int>(blockIdx.x);
-  const int lo = p.expert_offsets[e], n = p.expert_offsets[e + 1] - lo;
-  if (n <= 1 || n > kMaxOrderRows) return;
-  for (int i = threadIdx.x; i < n; i += blockDim.x) {
-    const int entry = p.row_entry[lo + i];
-    s_entry[i] = entry;
-    s_key[i] = p.token_slot[entry / p.k];  // -1 (base) first
-  }
-  __syncthreads();
-  for (int i = threadIdx.x; i < n; i += blockDim.x) {
-    const int key = s_key[i];
-    int rank = 0;
-    for (int j = 0; j < n; ++j) rank += s_key[j] < key || (s_key[j] == key && j < i);
-    p.row_entry[lo + rank] = s_entry[i];
+  const int lo0 = p.expert_offsets[e], n_all = p.expert_offsets[e + 1] - lo0;
+  for (int seg = static_cast<int>(blockIdx.y); seg * kMaxOrderRows < n_all; seg += static_cast<int>(gridDim.y)) {
+    const int lo = lo0 + seg * kMaxOrderRows, n = min(kMaxOrderRows, n_all - seg * kMaxOrderRows);
+    if (n <= 1) return;  // the last segment
+    __syncthreads();     // the previous segment's ranks are done with s_key
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+      const int entry = p.row_entry[lo + i];
+      s_entry[i] = entry;
+      s_key[i] = p.token_slot[entry / p.k];  // -1 (base) first
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+      const int key = s_key[i];
+      int rank = 0;
+      for (int j = 0; j < n; ++j) rank += s_key[j] < key || (s_key[j] == key && j < i);
+      p.row_entry[lo + rank] = s_entry[i];
+    }
   }
 }
 
@@ -227,8 +237,13 @@ __global__ void __launch_bounds__(256) order_by_adapter_kernel(PermuteParams p) 
 
 void launch_order_by_adapter(const PermuteParams& p, cudaStream_t stream) {
   if (p.rows <= 0 || !p.token_slot) return;
-  launch_pdl(order_by_adapter_kernel, dim3(static_cast<unsigned>(p.E_loc)), dim3(256), 0, stream,
-             "order_by_adapter_kernel", p);
+  // Blocks an expert: as many as the chunk's rows could make segments of one expert, within about 4096 blocks in
+  // all (most experts have far fewer rows; their extra blocks return at once) and 64 an expert; a block takes every
+  // gridDim.y-th segment.
+  const int64_t segments = std::clamp<int64_t>(
+      std::min<int64_t>((p.rows + kMaxOrderRows - 1) / kMaxOrderRows, 4096 / std::max(p.E_loc, 1)), 1, 64);
+  launch_pdl(order_by_adapter_kernel, dim3(static_cast<unsigned>(p.E_loc), static_cast<unsigned>(segments)), dim3(256), 0,
+             stream, "order_by_adapter_kernel", p);
 }
 
 void launch_permute(const PermuteParams& p, cudaStream_t stream) {

@@ -126,15 +126,13 @@ MoePlan make_plan(const ProblemShape& shape) {
   // wins on wide ones (deepseek_v3_ep8, I = 2048: 1.04-1.10; gpt_oss_120b, I = 2880: 0.96 at T=1024, 1.10-1.14
   // above; mixtral_8x7b T=256: 1219 us with tile 1 in final-7, 1072 with tile 3 in final-8). The bits are the same.
   const bool lora_thin = s.has_lora && s.I <= 768;
-  // Tile 4 (128 tokens, producer warps, one persistent block an SM) from 1024 expected rows an expert, on layers
-  // whose GEMMs both run K >= 4096 (its per-tile epilogue, not overlapped at one block an SM, is paid back over the
-  // long K), without LoRA. H200, tile 4 / tile 3 time (session 11 r4, r6; ncu r5): mixtral_8x7b (H 4096, I 14336)
-  // 0.98-1.00 at T=4096 (1024 rows an expert), 0.96-0.97 at 16384, 1.10 at 1024; qwen3_30b_a3b (I 768) 1.21 at 16384
-  // (1024 rows an expert); kimi_k3_tp8 1.03-1.06, deepseek_v3_ep8 1.17-1.24 at T >= 4096. With eight rank-16
-  // adapters (r8): mixtral 1.01 / 0.98, gpt_oss_120b 1.35 / 1.17 at T=4096 / 16384.
-  const bool long_k = s.H >= 4096 && s.I >= 4096;
+  // Tile 4 (128 tokens, producer warps, one persistent block an SM) is not chosen: since the tile bands (tile_of)
+  // tile 3 is as fast or faster on every shape (H200 session 12 r4, tile 4 / tile 3: mixtral_8x7b 1.12 / 1.02 / 1.00
+  // at T = 1024 / 4096 / 16384, kimi_k3_tp8 1.04-1.05, deepseek_v3_ep8 1.03-1.10, qwen3_30b_a3b 1.10-1.26,
+  // gpt_oss_120b 1.11-1.20 at T >= 4096; with eight adapters 1.06-1.39). Before the bands it won on mixtral_8x7b at
+  // T >= 4096 (session 11 r6: 0.996 / 0.974), where token rows no longer in L2 slowed tile 3 (64 tokens a tile:
+  // twice the token-row reads) more. It stays for MoeArgs::gemm_tile (the tests force it: same bits).
   auto choose = [&](bool wgmma) {
-    if (wgmma && !s.has_lora && long_k && p.rows >= 1024 * s.E_total) return 4;
     if (wgmma && p.rows >= 32 * s.E_total && !lora_thin) return 3;
     return avg_rows <= 6 ? 0 : (avg_rows <= 512 ? 1 : 2);
   };

@@ -31,8 +31,8 @@ void check_plan(const ProblemShape& s, std::mt19937_64& rng) {
   const MoePlan p = make_plan(s);
   ASSERT_EQ(workspace_size(s), p.workspace_bytes);
   if (!s.wgmma && s.gemm_config < 0) {
-    // On a wgmma device: the wgmma tile from 32 expected rows a local expert on (the 128-token one from 1024 on
-    // long-K layers without LoRA), the same workspace
+    // On a wgmma device: the 64-token wgmma tile from 32 expected rows a local expert on (the 128-token one only
+    // when forced), the same workspace
     // (workspace_size is asked without a device), and a plan that keeps every invariant below.
     ProblemShape w = s;
     w.wgmma = true;
@@ -40,8 +40,7 @@ void check_plan(const ProblemShape& s, std::mt19937_64& rng) {
     EXPECT_EQ(pw.workspace_bytes, p.workspace_bytes);
     const int64_t E_total = s.E_total == 0 ? s.E_loc : s.E_total;
     const bool lora_thin = s.has_lora && s.I <= 768;
-    const bool tile4 = !s.has_lora && s.H >= 4096 && s.I >= 4096 && p.rows >= 1024 * E_total;
-    EXPECT_EQ(pw.gemm_config, tile4 ? 4 : p.rows >= 32 * E_total && !lora_thin ? 3 : p.gemm_config);
+    EXPECT_EQ(pw.gemm_config, p.rows >= 32 * E_total && !lora_thin ? 3 : p.gemm_config);
     check_plan(w, rng);
     // Every tile forced (MoeArgs::gemm_tile) is a plan of its own that keeps them too.
     for (int t = 0; t < kNumGemmConfigs; ++t) {
@@ -392,14 +391,14 @@ TEST(Plan, LoraNeverChangesChunkingOrTiles) {
       EXPECT_EQ(p.out.offset, p0.out.offset);
       EXPECT_EQ(p.act.offset, p0.act.offset);
       EXPECT_GE(p.workspace_bytes, p0.workspace_bytes);
-      // On a wgmma device LoRA may keep the 32-row tile where the base takes the wgmma tile, or the 64-token wgmma
-      // tile where the base takes the 128-token one (plan.cpp); the chunking and the base buffers' layout stay.
+      // On a wgmma device LoRA may keep the 32-row tile where the base takes the wgmma tile (plan.cpp); the chunking
+      // and the base buffers' layout stay.
       ProblemShape bw = base, sw = s;
       bw.wgmma = sw.wgmma = true;
       const MoePlan pb = make_plan(bw), ps = make_plan(sw);
       EXPECT_EQ(ps.chunk_tokens, pb.chunk_tokens);
-      EXPECT_TRUE(ps.gemm_config == pb.gemm_config || (pb.gemm_config == 3 && ps.gemm_config == p.gemm_config) ||
-                  (pb.gemm_config == 4 && ps.gemm_config == 3));
+      EXPECT_TRUE(ps.gemm_config == pb.gemm_config || (pb.gemm_config == 3 && ps.gemm_config == p.gemm_config));
+      EXPECT_NE(pb.gemm_config, 4) << "tile 4 is only forced";
       EXPECT_EQ(ps.out.offset, pb.out.offset);
       EXPECT_EQ(ps.act.offset, pb.act.offset);
       check_plan(s, rng);

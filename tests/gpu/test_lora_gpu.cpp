@@ -484,6 +484,11 @@ TEST(GpuLoraWorkspace, GivenWorkspaceAndChunks) {
   call.g->args.workspace = dview(big, DType::U8, {static_cast<int64_t>(big.bytes())});
   EXPECT_EQ(call.run(*layer, R.gpu.get(), ids), y) << "given workspace differs from the internal one";
   call.g->args.workspace = TensorView{};
+  // One chunk (the default budget): ~4500 rows an expert, ordered by adapter in three segments (permute.cu).
+  ps.workspace_budget = 0;
+  EXPECT_EQ(make_plan(ps).num_chunks, 1);
+  call.g->args.workspace_budget = 0;
+  EXPECT_EQ(call.run(*layer, R.gpu.get(), ids), y) << "one chunk differs from three";
 }
 
 // ---- CUDA graphs: capture after a warm call, and the first call after a load captured directly -----------------
