@@ -87,7 +87,7 @@ struct MoePlan {
   int64_t n1 = 0;               // GEMM1 output columns (2I gated, I otherwise)
   int64_t n1_tiles = 0, n2_tiles = 0;
   int64_t max_m_tiles = 0;      // upper bound of sum_e ceil(rows_e / bm) over any routing
-  // Tile order of the routed GEMMs (src/cuda/gemm_grouped.cuh tile_of): bands of m_band1 / m_band2 m tiles, each
+  // Tile order of the routed GEMMs (src/common/tile_order.h tile_of): bands of m_band1 / m_band2 m tiles, each
   // band's tiles n by n with m fastest, so that the band's token rows (about kBandTokenBytes) stay in L2 while its
   // weight tiles go by. 0: one band (the grid's m tiles, n tile by n tile; where m_tiles * n_tiles overflows an int).
   int m_band1 = 0, m_band2 = 0;
@@ -140,9 +140,12 @@ struct MoePlan {
 };
 
 constexpr size_t kWorkspaceAlign = 256;
-// The token rows a band of m tiles reads (MoePlan::m_band1/2): a third of the H200's 50 MB L2, the rest for the
-// weight tiles in flight and the outputs going by.
-constexpr int64_t kBandTokenBytes = int64_t(16) << 20;
+// The token rows a band of m tiles reads (MoePlan::m_band1/2): a sixth of the H200's 50 MB L2, the rest for the
+// weight tiles in flight and the outputs going by. H200 session 12 r6, bands of 8 / 32 / 64 MB against 16: 0.97-1.00
+// / 1.00-1.03 / 1.00-1.11 of the time (T = 4096, 16384; five shapes). Bands only where the GEMM's token source
+// (x for GEMM1, a for GEMM2) is above kBandMinSourceBytes; below it fits in L2 with room.
+constexpr int64_t kBandTokenBytes = int64_t(8) << 20;
+constexpr int64_t kBandMinSourceBytes = int64_t(32) << 20;
 // 4 GiB: a 16384-token batch of kimi_k3_tp8 (1.98 GB), qwen3_30b_a3b or mixtral_8x7b in one chunk, deepseek_v3_ep8
 // in two. The chunk's rows an expert set how full the GEMM tiles run: H200, 512 MiB -> 2 GiB (session 12 r2):
 // kimi_k3_tp8 T=16384 6202 -> 5257 us, deepseek_v3_ep8 7117 -> 5636 (8 GiB: 5380), qwen3_30b_a3b 5304 -> 5150,

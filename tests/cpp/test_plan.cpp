@@ -92,12 +92,12 @@ void check_plan(const ProblemShape& s, std::mt19937_64& rng) {
   // GEMM tiles cover N and K; the tile fits the warp grid; shared memory within the sm_90 limit.
   const GemmConfig& g = p.gemm;
   // Tile bands (tile_of): a band's token rows within kBandTokenBytes (one m tile at least), set only where the grid's
-  // places fit an int and the token source outgrows 2 kBandTokenBytes.
+  // places fit an int and the token source outgrows kBandMinSourceBytes.
   for (const auto& [band, src_rows, K, n_tiles] : {std::tuple{p.m_band1, p.chunk_tokens, p.k1_pad, p.n1_tiles},
                                                    std::tuple{p.m_band2, p.rows, p.k2_pad, p.n2_tiles}}) {
     EXPECT_GE(band, 0);
     EXPECT_LE(band, std::max<int64_t>(1, p.max_m_tiles));
-    const bool want = p.max_m_tiles * n_tiles <= 0x7fffffff && src_rows * K * 2 > 2 * kBandTokenBytes;
+    const bool want = p.max_m_tiles * n_tiles <= 0x7fffffff && src_rows * K * 2 > kBandMinSourceBytes;
     EXPECT_EQ(band > 0, want) << band;
     if (band > 0) EXPECT_TRUE(band == 1 || band * g.bm * K * 2 <= kBandTokenBytes) << band;
   }
