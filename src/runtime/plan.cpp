@@ -125,7 +125,11 @@ MoePlan make_plan(const ProblemShape& shape) {
   // qwen3_30b_a3b_tp4 (I = 192) 0.85-0.94, qwen3_30b_a3b (I = 768) 0.94 at T=1024, 1.03 at 4096 and 16384) and
   // wins on wide ones (deepseek_v3_ep8, I = 2048: 1.04-1.10; gpt_oss_120b, I = 2880: 0.96 at T=1024, 1.10-1.14
   // above; mixtral_8x7b T=256: 1219 us with tile 1 in final-7, 1072 with tile 3 in final-8). The bits are the same.
-  const bool lora_thin = s.has_lora && s.I <= 768;
+  // Since the larger chunks (4 GiB) and the tile bands the wgmma tile wins with LoRA on thin experts too from 80
+  // expected rows an expert on (session 12 r7, tile 3 / tile 1: kimi_k3_tp8 1.19 at 21 rows (T=1024), 0.91 at 85,
+  // 0.83 at 341; qwen3_30b_a3b 1.00 at 64, 0.80 at 256, 0.79 at 1024; qwen3_30b_a3b_tp4 1.15 at 64, 0.88 at 256 and
+  // 1024).
+  const bool lora_thin = s.has_lora && s.I <= 768 && p.rows < 80 * s.E_total;
   // Tile 4 (128 tokens, producer warps, one persistent block an SM) is not chosen: since the tile bands (tile_of)
   // tile 3 is as fast or faster on every shape (H200 session 12 r4, tile 4 / tile 3: mixtral_8x7b 1.12 / 1.02 / 1.00
   // at T = 1024 / 4096 / 16384, kimi_k3_tp8 1.04-1.05, deepseek_v3_ep8 1.03-1.10, qwen3_30b_a3b 1.10-1.26,

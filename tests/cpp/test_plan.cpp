@@ -39,7 +39,7 @@ void check_plan(const ProblemShape& s, std::mt19937_64& rng) {
     const MoePlan pw = make_plan(w);
     EXPECT_EQ(pw.workspace_bytes, p.workspace_bytes);
     const int64_t E_total = s.E_total == 0 ? s.E_loc : s.E_total;
-    const bool lora_thin = s.has_lora && s.I <= 768;
+    const bool lora_thin = s.has_lora && s.I <= 768 && p.rows < 80 * E_total;
     EXPECT_EQ(pw.gemm_config, p.rows >= 32 * E_total && !lora_thin ? 3 : p.gemm_config);
     check_plan(w, rng);
     // Every tile forced (MoeArgs::gemm_tile) is a plan of its own that keeps them too.
