@@ -19,9 +19,7 @@ template <class A> constexpr bool kGatedAct =
 struct TileRows {
   int expert, row0, row_end;
 };
-template <int BM>
-__device__ __forceinline__ bool resolve_tile(const GemmProblem& g, TileRows& tr,
-                                             int tile = static_cast<int>(blockIdx.x)) {
+template <int BM> __device__ __forceinline__ bool resolve_tile(const GemmProblem& g, TileRows& tr, int tile) {
   if (g.tile_info) {
     if (tile >= g.tile_info[2 * g.max_tiles]) return false;  // fewer tiles than the plan's bound
     tr.expert = g.tile_info[2 * tile];

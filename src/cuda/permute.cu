@@ -208,6 +208,12 @@ __global__ void place_kernel(PermuteParams p) {
 // T=16384 in one chunk has 4096 rows an expert, every tile then held all eight adapters and the expand ran eight
 // passes a token group: 50.3 ms against 33.0 without LoRA, H200 session 12 r4.)
 constexpr int kMaxOrderRows = 2048;
+constexpr bool every_tile_divides_order_rows() {
+  for (const GemmConfig& c : kGemmConfigs)
+    if (kMaxOrderRows % c.bm != 0) return false;
+  return true;
+}
+static_assert(every_tile_divides_order_rows(), "a GEMM tile would straddle two ordered segments");
 __global__ void __launch_bounds__(256) order_by_adapter_kernel(PermuteParams p) {
   dev::pdl_wait();
   dev::pdl_launch_dependents();
