@@ -181,9 +181,10 @@ inline constexpr GemmConfig kGemmConfigs[kNumGemmConfigs] = {
     {64, 128, 64, 2, 4, 3},        // more rows an expert (a 128-row tile ran 1 block an SM at 244 registers: slower)
     // sm_90a: two warpgroups, each 64 weight rows (register A) x the 64 tokens (shared B) with wgmma; two blocks an SM.
     {64, 128, 64, 1, 8, 4, true, true},
-    // sm_90a, forced only (plan.cpp: since the tile bands tile 3 is as fast): 128 tokens a wgmma (half the decode a FLOP of the tile
-    // above), producer warps for the copies, one persistent block an SM (the registers: 64 accumulators a thread;
-    // the chunk sums: 64 KB). (Without producer warps it was 8-31 % slower than tile 3: session 8 runs 3, 5.)
+    // sm_90a, forced only (plan.cpp: since the tile bands tile 3 is as fast): 128 tokens a wgmma (half the decode a
+    // FLOP of the tile above), producer warps for the copies, one persistent block an SM (the registers: 64
+    // accumulators a thread; the chunk sums: 64 KB). (Without producer warps it was 8-31 % slower than tile 3: session
+    // 8 runs 3, 5.)
     {128, 128, 64, 1, 8, 6, true, true, true, 4},
 };
 // The producer warps of a tile with GemmConfig::producer (two: one warp's copy issue, 32 cp.async a lane and

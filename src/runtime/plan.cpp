@@ -154,12 +154,13 @@ MoePlan make_plan(const ProblemShape& shape) {
   p.max_m_tiles = m_tiles_of(g);
   // Without bands a grid's m tiles run n tile by n tile, and once a chunk's token rows outgrow the L2 every n tile
   // reads them from HBM again (kimi_k3_tp8 at T=16384: x is 117 MB, gathered into 940 MB of GEMM1 rows, six n
-  // tiles). H200, bands (of 16 MB) against one band (session 12 r3, 4 GiB budget): T=16384 mixtral_8x7b 36.9 -> 33.1 ms,
-  // gpt_oss_120b 11.9 -> 10.9, deepseek_v3_ep8 5.71 -> 5.38, kimi_k3_tp8 5.19 -> 5.05, qwen3_30b_a3b 5.08 -> 4.92.
+  // tiles). H200, bands (of 16 MB) against one band (session 12 r3, 4 GiB budget): T=16384 mixtral_8x7b 36.9 -> 33.1
+  // ms, gpt_oss_120b 11.9 -> 10.9, deepseek_v3_ep8 5.71 -> 5.38, kimi_k3_tp8 5.19 -> 5.05, qwen3_30b_a3b 5.08 -> 4.92.
   // Where the GEMM's token source (x for GEMM1, a for GEMM2) fits in L2 with room, one band (the order before).
   auto band_of = [&](int64_t source_rows, int64_t K, int64_t n_tiles) {
     if (p.max_m_tiles * n_tiles > 0x7fffffff || source_rows * K * 2 <= kBandMinSourceBytes) return 0;
-    return static_cast<int>(std::clamp<int64_t>(kBandTokenBytes / (g.bm * K * 2), 1, std::max<int64_t>(1, p.max_m_tiles)));
+    const int64_t band = kBandTokenBytes / (g.bm * K * 2);
+    return static_cast<int>(std::clamp<int64_t>(band, 1, std::max<int64_t>(1, p.max_m_tiles)));
   };
   p.m_band1 = band_of(p.chunk_tokens, p.k1_pad, p.n1_tiles);
   p.m_band2 = band_of(p.rows, p.k2_pad, p.n2_tiles);

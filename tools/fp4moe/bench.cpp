@@ -503,12 +503,12 @@ struct ShapeCtx {
   DevMem adapter_ids;
 };
 
-ProblemShape problem_of(const ShapeCtx& c, int64_t T, bool lora, WeightFormat format, ActMode mode, int tile,
-                        int64_t budget) {
+// The call's problem shape; o: the run's format, mode, forced tile and workspace budget (as make_args passes them).
+ProblemShape problem_of(const ShapeCtx& c, int64_t T, bool lora, const Options& o) {
   ProblemShape s;
-  s.gemm_config = tile;
-  s.workspace_budget = budget;
-  s.wgmma = tile >= 0 && kGemmConfigs[tile].wgmma;  // (the workspace does not depend on it otherwise)
+  s.gemm_config = o.gemm_tile;
+  s.workspace_budget = o.workspace_budget;
+  s.wgmma = o.gemm_tile >= 0 && kGemmConfigs[o.gemm_tile].wgmma;  // (the workspace does not depend on it otherwise)
   s.T = T;
   s.H = c.shape->H;
   s.I = c.shape->I;
@@ -517,8 +517,8 @@ ProblemShape problem_of(const ShapeCtx& c, int64_t T, bool lora, WeightFormat fo
   s.k = c.shape->k;
   s.gated = c.gated;
   s.activation = c.shape->activation;
-  s.mode = mode;
-  s.format = format;
+  s.mode = o.mode;
+  s.format = o.format;
   s.routing_from_logits = true;
   s.n_group = c.shape->routing == RoutingMethod::DeepSeekV3 ? c.shape->n_group : 1;
   s.has_lora = lora;
@@ -527,11 +527,12 @@ ProblemShape problem_of(const ShapeCtx& c, int64_t T, bool lora, WeightFormat fo
 }
 
 MoeArgs make_args(const ShapeCtx& c, int64_t T, const void* x, const void* logits, void* y, const DevMem& ws,
-                  bool lora, ActMode mode, int tile, int64_t budget, cudaStream_t stream, int dev) {
+                  bool lora, const Options& o, cudaStream_t stream, int dev) {
   const ModelShape& s = *c.shape;
+  const ActMode mode = o.mode;
   MoeArgs a;
-  a.gemm_tile = tile;
-  a.workspace_budget = budget;
+  a.gemm_tile = o.gemm_tile;
+  a.workspace_budget = o.workspace_budget;
   a.x = make_view(const_cast<void*>(x), DType::BF16, {T, s.H}, Backend::CUDA, dev);
   a.routing.method = s.routing;
   a.routing.top_k = s.k;
@@ -635,7 +636,7 @@ CaseResult run_case(Device& d, ShapeCtx& c, const Pools& pools, int64_t T, bool 
   // backend ask for more, the call is retried once with twice the size.
   for (int attempt = 0;; ++attempt) {
     try {
-      size_t need = workspace_size(problem_of(c, T, lora, o.format, o.mode, o.gemm_tile, o.workspace_budget));
+      size_t need = workspace_size(problem_of(c, T, lora, o));
       if (attempt > 0) need = std::max(need, 2 * ws.bytes());
       if (ws.bytes() < need) {
         ws = DevMem();
@@ -644,9 +645,7 @@ CaseResult run_case(Device& d, ShapeCtx& c, const Pools& pools, int64_t T, bool 
       args.clear();
       for (int k = 0; k < sets; ++k)
         args.push_back(make_args(c, T, pools.x.as<uint16_t>() + k * pools.set_shift_x,
-                                 pools.logits.as<float>() + k * pools.set_shift_logits, y.get(), ws, lora, o.mode, o.gemm_tile,
-                                 o.workspace_budget, d.stream,
-                                 d.id));
+                                 pools.logits.as<float>() + k * pools.set_shift_logits, y.get(), ws, lora, o, d.stream, d.id));
       for (int k = 0; k < sets; ++k) moe_run(c.w, args[k]);
       CK(cudaStreamSynchronize(d.stream));
       check_device_errors(d.id);
