@@ -44,6 +44,8 @@ class MoeWeights {
   int64_t hidden() const;
   int64_t inter() const;
   bool valid() const { return impl_ != nullptr; }
+  // The same prepared weights (a copy of this MoeWeights), not merely weights of the same shape.
+  bool same_as(const MoeWeights& other) const { return impl_ != nullptr && impl_ == other.impl_; }
   const PreparedWeights& impl() const { return *impl_; }
   explicit MoeWeights(std::shared_ptr<const PreparedWeights> p) : impl_(std::move(p)) {}
 
@@ -80,7 +82,10 @@ struct PreparedAdapter;  // canonical form (src/runtime/prepared.h)
 
 // Slots of resident adapters for one MoE layer (and its optional shared expert). Thread-safe:
 // load/unload may run while another thread runs the operator; a run sees the adapters as they
-// were when it started.
+// were when it started. A registry belongs to the prepared weights it was made with (and copies of that
+// MoeWeights): moe_run refuses it with any other weights, even of the same shape, and with a shared expert other
+// than its own. A TP or EP shard is other weights: give each shard its own registry, loaded with that shard's
+// slices of the adapters (shard_adapter_tp, slice_adapter_experts in parallel.h).
 class AdapterRegistry {
  public:
   AdapterRegistry(const MoeWeights& layer, int num_slots = 64, const MoeWeights* shared_expert = nullptr);
@@ -95,6 +100,10 @@ class AdapterRegistry {
   // An immutable snapshot of all slots (nullptr = empty), taken under the lock.
   std::shared_ptr<const std::vector<std::shared_ptr<const PreparedAdapter>>> snapshot() const;
   Backend backend() const;
+  // Whether this registry was made for `weights` (the same prepared weights, see MoeWeights::same_as).
+  bool made_for(const MoeWeights& weights) const;
+  // The shared expert the registry was made with, or nullptr.
+  const MoeWeights* shared_expert() const;
 
  private:
   struct State;

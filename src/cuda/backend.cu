@@ -21,7 +21,17 @@
 namespace fp4moe::cuda_backend {
 
 // ---- errors ---------------------------------------------------------------------------------------
+namespace {
+std::atomic<int64_t> g_fail_in{-1};  // fail_checked_cuda_call's countdown; -1: off
+}  // namespace
+
+void fail_checked_cuda_call(int64_t n) { g_fail_in.store(n < 0 ? -1 : n); }
+bool checked_cuda_failure_pending() { return g_fail_in.load() >= 0; }
+
 void check_cuda(cudaError_t e, const char* what) {
+  // One relaxed load on the hot path; the countdown only runs while a test armed it.
+  if (e == cudaSuccess && g_fail_in.load(std::memory_order_relaxed) >= 0 && g_fail_in.fetch_sub(1) == 0)
+    e = cudaErrorLaunchOutOfResources;
   if (e == cudaSuccess) return;
   const std::string msg = std::string(what) + " failed: " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")";
   if (e == cudaErrorMemoryAllocation) throw Error(ErrorCode::OutOfMemory, "", msg);
@@ -81,8 +91,9 @@ std::vector<int*> g_flags;
 template <class T> T* upload(const std::vector<T>& v, std::vector<void*>& allocs, const char* what) {
   if (v.empty()) return nullptr;
   void* p = nullptr;
-  check_cuda(cudaMalloc(&p, v.size() * sizeof(T)), what);
-  allocs.push_back(p);
+  const cudaError_t e = cudaMalloc(&p, v.size() * sizeof(T));
+  if (e == cudaSuccess) allocs.push_back(p);  // owned before the check, so a failure after it frees it too
+  check_cuda(e, what);
   check_cuda(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice), what);
   return static_cast<T*>(p);
 }
@@ -184,8 +195,14 @@ int* device_error_flag(int device_id) {
   if (!g_flags[device_id]) {
     DeviceGuard guard(device_id);
     void* p = nullptr;
-    check_cuda(cudaMalloc(&p, 16), "cudaMalloc(device error flag)");
-    check_cuda(cudaMemset(p, 0, 16), "cudaMemset(device error flag)");
+    cudaError_t e = cudaMalloc(&p, 16);
+    if (e == cudaSuccess) e = cudaMemset(p, 0, 16);
+    try {
+      check_cuda(e, "cudaMalloc/cudaMemset (device error flag)");
+    } catch (...) {
+      if (p) (void)cudaFree(p);
+      throw;
+    }
     g_flags[device_id] = static_cast<int*>(p);
   }
   return g_flags[device_id];
@@ -217,6 +234,17 @@ void check_device_errors(int device_id) {
   if (v == kErrParallelPeer)
     throw Error(ErrorCode::DeviceFault, "comm",
                 "another rank of a parallel call (moe_run_tp / moe_run_ep) failed; this rank's y was left untouched");
+  if (v == kErrRoutingBias)
+    throw Error(ErrorCode::DeviceFault, "routing.bias",
+                "the routing bias on the GPU held a value that is not finite; the experts chosen (and so every "
+                "token's output) were unspecified, though in range");
+  if (v == kErrActAlpha || v == kErrActBeta || v == kErrActClampLimit) {
+    const char* name = v == kErrActAlpha ? "activation.alpha" : v == kErrActBeta ? "activation.beta" : "activation.clamp_limit";
+    throw Error(ErrorCode::DeviceFault, name,
+                std::string("a per-expert value on the GPU was out of range (") +
+                    (v == kErrActClampLimit ? "expected > 0 or +inf" : "expected finite, and > 0 for Situ") +
+                    "); every (token, slot) routed to that expert was dropped from the output");
+  }
   throw Error(ErrorCode::DeviceFault, "", "internal: the permutation produced more tiles than planned (code " +
                                               std::to_string(v) + ")");
 }
@@ -383,13 +411,17 @@ const LoraSlot* lora_table_for(const AdapterSnapshot& snap, int dev, cudaStream_
     check_cuda(cudaStreamCreateWithFlags(&g_lora_upload_streams[dev], cudaStreamNonBlocking),
                "cudaStreamCreateWithFlags (LoRA table upload)");
   void* p = nullptr;
-  check_cuda(cudaMalloc(&p, std::max<size_t>(1, n) * sizeof(LoraSlot)), "cudaMalloc (LoRA slot table)");
-  const cudaError_t e1 = cudaMemcpyAsync(p, host.data(), n * sizeof(LoraSlot), cudaMemcpyHostToDevice,
-                                         g_lora_upload_streams[dev]);
-  const cudaError_t e2 = e1 == cudaSuccess ? cudaStreamSynchronize(g_lora_upload_streams[dev]) : e1;
-  if (e2 != cudaSuccess) {
-    (void)cudaFree(p);
-    check_cuda(e2, "cudaMemcpyAsync (LoRA slot table)");
+  const cudaError_t e0 = cudaMalloc(&p, std::max<size_t>(1, n) * sizeof(LoraSlot));
+  cudaError_t e1 = e0 == cudaSuccess ? cudaMemcpyAsync(p, host.data(), n * sizeof(LoraSlot), cudaMemcpyHostToDevice,
+                                                       g_lora_upload_streams[dev])
+                                     : e0;
+  if (e1 == cudaSuccess) e1 = cudaStreamSynchronize(g_lora_upload_streams[dev]);
+  try {
+    check_cuda(e0, "cudaMalloc (LoRA slot table)");
+    check_cuda(e1, "cudaMemcpyAsync (LoRA slot table)");
+  } catch (...) {
+    if (p) (void)cudaFree(p);
+    throw;
   }
   LoraTableEntry entry;
   entry.device = dev;
@@ -416,7 +448,13 @@ class Workspace {
       return;
     }
     void* p = nullptr;
-    check_cuda(cudaMallocAsync(&p, bytes, stream), "cudaMallocAsync (workspace)");
+    const cudaError_t e = cudaMallocAsync(&p, bytes, stream);
+    try {
+      check_cuda(e, "cudaMallocAsync (workspace)");
+    } catch (...) {  // a constructor that throws runs no destructor: free what was allocated here
+      if (e == cudaSuccess) (void)cudaFreeAsync(p, stream);
+      throw;
+    }
     base_ = static_cast<uint8_t*>(p);
     owned_ = true;
   }
@@ -643,6 +681,7 @@ void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& a
       rp.routed_scaling_factor = ra.routed_scaling_factor;
       rp.ids = ws_ids;
       rp.weights = ws_w;
+      rp.error_flag = err;
       launch_routing(rp, plan.routing_warps_per_block, plan.routing_smem, stream);
       ids = ws_ids;
       wts = ws_w;
@@ -847,6 +886,14 @@ void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& a
     cp.local_offset = static_cast<int>(args.local_expert_offset);
     cp.blocks_per_token = static_cast<int>(plan.combine_blocks_per_token);
     cp.threads = plan.combine_threads;
+    auto on_device = [](const TensorView& v) {
+      return v.present() && v.device == Backend::CUDA ? static_cast<const float*>(v.data) : nullptr;
+    };
+    cp.act_alpha = on_device(args.activation.alpha);
+    cp.act_beta = on_device(args.activation.beta);
+    cp.act_clamp_limit = on_device(args.activation.clamp_limit);
+    cp.act_positive = s.activation == ActivationType::Situ;
+    cp.error_flag = err;
     if (lora) {
       cp.lora_table = lora_table;
       cp.token_slot = lora_slot;

@@ -1,6 +1,7 @@
 // The CUDA backend as the runtime sees it. Implemented in src/cuda/ (compiled only with nvcc);
 // the runtime calls these only when FP4MOE_WITH_CUDA is defined.
 #pragma once
+#include <cstdint>
 #include <memory>
 
 #include "runtime/prepared.h"
@@ -18,5 +19,10 @@ void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& a
 void check_device_errors(int device_id);
 // Number of CUDA devices visible (0 when none or no driver).
 int device_count();
+// Test hook (fault injection): the n-th checked CUDA call from now on (0: the next) is reported as failed with
+// cudaErrorLaunchOutOfResources although it ran; n < 0 disarms it. Process-wide, for single-threaded tests.
+void fail_checked_cuda_call(int64_t n);
+// Whether an armed fail_checked_cuda_call has not fired yet.
+bool checked_cuda_failure_pending();
 
 }  // namespace fp4moe::cuda_backend

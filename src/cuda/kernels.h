@@ -166,6 +166,7 @@ struct RoutingParams {
   float routed_scaling_factor = 1.f;
   int32_t* ids = nullptr;        // [T, k] out
   float* weights = nullptr;      // [T, k] out
+  int* error_flag = nullptr;     // set (kErrRoutingBias) when the bias holds a value that is not finite
 };
 
 struct PermuteParams {
@@ -273,6 +274,13 @@ struct CombineParams {
   const int32_t* token_slot = nullptr;
   const float* lora_t2 = nullptr;
   int lora_t2_stride = 0;
+  // Per-expert activation parameters given on the device (null: absent or on the host, checked there): an entry
+  // whose expert holds a bad value contributes nothing, and block 0 raises the flag (kErrActAlpha, ...).
+  const float* act_alpha = nullptr;
+  const float* act_beta = nullptr;
+  const float* act_clamp_limit = nullptr;
+  bool act_positive = false;     // Situ: alpha and beta must be > 0
+  int* error_flag = nullptr;
 };
 
 // ---- launchers (all on `stream`, each checked) ---------------------------------------------------
@@ -303,8 +311,10 @@ void check_cuda(cudaError_t e, const char* what);
 void check_launch(const char* kernel);
 // The per-device error flag buffer (allocated on first use). Codes: 1 routing.topk_ids out of range,
 // 2 internal (more tiles than planned), 3 adapter_ids out of range or naming an empty slot, 4 another rank of a
-// parallel call (moe_run_tp / moe_run_ep) failed: this rank's y was left untouched.
+// parallel call (moe_run_tp / moe_run_ep) failed: this rank's y was left untouched, 5 routing.bias not finite,
+// 6 / 7 / 8 activation.alpha / beta / clamp_limit out of range (as the host check of validate.cpp).
 int* device_error_flag(int device_id);
-constexpr int kErrTopkIds = 1, kErrTiles = 2, kErrAdapterIds = 3, kErrParallelPeer = 4;
+constexpr int kErrTopkIds = 1, kErrTiles = 2, kErrAdapterIds = 3, kErrParallelPeer = 4, kErrRoutingBias = 5,
+              kErrActAlpha = 6, kErrActBeta = 7, kErrActClampLimit = 8;
 
 }  // namespace fp4moe::cuda_backend

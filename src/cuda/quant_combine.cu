@@ -78,9 +78,36 @@ __global__ void quantize_rows_kernel(QuantizeParams p) {
 // y_t = sum_j w_tj o_tj in slot order (+ shared, + SharedOuter down delta), fp32 multiply then add (no FMA,
 // as the reference), rounded once to bf16, or written as the fp32 sum (y_f32: float32 y, no rounding, as the
 // reference's float32 y). One thread per 4 outputs of a token.
+// 0 when local expert e's device-given activation parameters are in range, else the flag code of the first bad one.
+__device__ __forceinline__ int bad_act_param(const CombineParams& p, int e) {
+  if (p.act_alpha) {
+    const float v = p.act_alpha[e];
+    if (!isfinite(v) || (p.act_positive && !(v > 0.f))) return kErrActAlpha;
+  }
+  if (p.act_beta) {
+    const float v = p.act_beta[e];
+    if (!isfinite(v) || (p.act_positive && !(v > 0.f))) return kErrActBeta;
+  }
+  if (p.act_clamp_limit && !(p.act_clamp_limit[e] > 0.f)) return kErrActClampLimit;  // +inf = no clamp
+  return 0;
+}
+
 __global__ void combine_kernel(CombineParams p) {
   dev::pdl_wait();
   dev::pdl_launch_dependents();
+  const bool act_on_device = p.act_alpha || p.act_beta || p.act_clamp_limit;
+  if (act_on_device && blockIdx.x == 0) {  // every expert's parameters, used by a token or not
+    for (int e = threadIdx.x; e < p.E_loc; e += blockDim.x) {
+      const int code = bad_act_param(p, e);
+      if (code) atomicExch(p.error_flag, code);
+    }
+  }
+  // The local expert of an entry, -1 when it contributes nothing (another rank's, a dropped bad id, bad parameters).
+  auto local = [&](int64_t entry) {
+    const int e = p.ids[entry] - p.local_offset;
+    if (e < 0 || e >= p.E_loc) return -1;
+    return act_on_device && bad_act_param(p, e) ? -1 : e;
+  };
   const int64_t gid = static_cast<int64_t>(blockIdx.x);
   const int t = static_cast<int>(gid / p.blocks_per_token);
   const int h = (static_cast<int>(gid % p.blocks_per_token) * p.threads + threadIdx.x) * 4;
@@ -105,8 +132,7 @@ __global__ void combine_kernel(CombineParams p) {
       float z = 0.f;
       for (int j = 0; j < p.k; ++j) {
         const int64_t entry = static_cast<int64_t>(t) * p.k + j;
-        const int e = p.ids[entry] - p.local_offset;
-        if (e < 0 || e >= p.E_loc) continue;
+        if (local(entry) < 0) continue;
         z = __fadd_rn(z, __fmul_rn(p.weights[entry], p.lora_t2[entry * p.lora_t2_stride + i]));
       }
       s_z[i] = dev::round_to_bf16(z);
@@ -125,17 +151,17 @@ __global__ void combine_kernel(CombineParams p) {
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
       const int64_t entry = static_cast<int64_t>(t) * p.k + j0 + b;
-      e[b] = j0 + b < p.k ? p.ids[entry] - p.local_offset : -1;
+      e[b] = j0 + b < p.k ? local(entry) : -1;
       w[b] = j0 + b < p.k ? p.weights[entry] : 0.f;
     }
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
       const int64_t entry = static_cast<int64_t>(t) * p.k + j0 + b;
-      if (e[b] >= 0 && e[b] < p.E_loc) o[b] = *reinterpret_cast<const float4*>(p.out + entry * p.H + h);
+      if (e[b] >= 0) o[b] = *reinterpret_cast<const float4*>(p.out + entry * p.H + h);
     }
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
-      if (e[b] < 0 || e[b] >= p.E_loc) continue;  // another rank's expert, a dropped bad id, or past k
+      if (e[b] < 0) continue;  // another rank's expert, a dropped bad id or parameter, or past k
       acc[0] = __fadd_rn(acc[0], __fmul_rn(w[b], o[b].x));
       acc[1] = __fadd_rn(acc[1], __fmul_rn(w[b], o[b].y));
       acc[2] = __fadd_rn(acc[2], __fmul_rn(w[b], o[b].z));

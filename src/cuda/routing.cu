@@ -135,6 +135,13 @@ __device__ __forceinline__ void route_token(const RoutingParams& p, int t, float
   }
   dev::cp_async_wait<0>();
   __syncwarp();
+  // The bias lives on the device only: the first token of the launch checks it (the selection stays in range).
+  if (with_bias && t == 0 && p.error_flag) {
+    bool bad = false;
+#pragma unroll 1
+    for (int e = lane; e < E; e += 32) bad |= !isfinite(bias[e]);
+    if (__any_sync(0xffffffffu, bad) && lane == 0) atomicExch(p.error_flag, kErrRoutingBias);
+  }
 
   if (method == RoutingMethod::Default || method == RoutingMethod::RenormalizeNaive) {
     float m = -INFINITY;

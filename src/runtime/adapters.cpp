@@ -115,6 +115,8 @@ AdapterRegistry::~AdapterRegistry() = default;
 
 int AdapterRegistry::num_slots() const { return state_->num_slots; }
 Backend AdapterRegistry::backend() const { return state_->layer.backend(); }
+bool AdapterRegistry::made_for(const MoeWeights& weights) const { return state_->layer.same_as(weights); }
+const MoeWeights* AdapterRegistry::shared_expert() const { return state_->shared ? &*state_->shared : nullptr; }
 
 std::shared_ptr<const PreparedAdapter> AdapterRegistry::State::convert(const LoraAdapterDesc& d) const {
   const PreparedWeights& w = layer.impl();

@@ -185,9 +185,15 @@ CallShape validate_moe_args(const MoeWeights& weights, const MoeArgs& a, const A
   if (a.adapter_ids.present() && !a.adapters) invalid("adapter_ids", "given without an adapter registry (adapters)");
   if (a.adapters) {
     if (a.adapters->backend() != dev) invalid("adapters", "registry lives on another backend than the weights");
+    // Slots hold matrices laid out for the registry's own weights (half order, experts): any other weights are
+    // refused, even of the same shape.
+    if (!a.adapters->made_for(weights))
+      invalid("adapters", "was made for other weights; a registry belongs to the MoeWeights it was constructed with "
+                          "(make one per layer, and per TP/EP shard)");
+    if (a.shared_expert && a.adapters->shared_expert() && !a.adapters->shared_expert()->same_as(*a.shared_expert))
+      invalid("adapters", "was made with another shared expert than the call's shared_expert");
     expect(a.adapter_ids, "adapter_ids", DType::I32, {s.T}, dev, dev_id);
-    // Every loaded slot must fit this layer (and the call's shared expert): a registry made for another layer
-    // is refused here, for every backend.
+    // Every loaded slot must fit this layer and the call's shared expert (a registry made with none may still meet one).
     for (size_t i = 0; i < adapters->size(); ++i) {
       const PreparedAdapter* ad = (*adapters)[i].get();
       if (!ad) continue;

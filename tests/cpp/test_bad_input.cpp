@@ -204,3 +204,64 @@ TEST(BadInputBaseline, RegistryOfAnotherLayerIsRefused) {
   EXPECT_TRUE(f.untouched());
 }
 }  // namespace
+
+namespace {
+// Two layers of one shape whose gate/up orders differ: B's registry holds B's half order, so using it with A's
+// weights would apply the gate LoRA to the up half. It is refused, naming adapters, with y untouched.
+TEST(BadInputBaseline, RegistryOfAnotherLayerOfTheSameShapeIsRefused) {
+  Fixture f;
+  SyntheticLayer other = make_synthetic_layer(kSmall, 0, 21, WeightFormat::NVFP4, false, GateUpOrder::UpFirst);
+  MoeWeights w_other = prepare_weights(other.desc(), Backend::CPU);
+  AdapterRegistry reg_other(w_other, 4);
+  SyntheticAdapter ad = make_synthetic_adapter(other, 4, 22);
+  reg_other.load(0, ad.desc());
+  std::vector<int32_t> ids(static_cast<size_t>(f.T), 0);
+  MoeArgs a = f.args();
+  a.adapters = &reg_other;
+  a.adapter_ids = make_view(ids.data(), DType::I32, {f.T});
+  try {
+    moe_run(f.w, a);
+    FAIL() << "a registry made for another layer of the same shape was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.argument(), "adapters") << e.what();
+    EXPECT_EQ(e.code(), ErrorCode::InvalidArgument);
+  }
+  EXPECT_TRUE(f.untouched());
+  // The same layer prepared twice is two weights: its registry belongs to one of them.
+  MoeWeights w_again = prepare_weights(f.layer.desc(), Backend::CPU);
+  AdapterRegistry reg_again(w_again, 4);
+  a.adapters = &reg_again;
+  EXPECT_THROW(moe_run(f.w, a), Error);
+  EXPECT_TRUE(f.untouched());
+  // A copy of the MoeWeights is the same weights: its registry is accepted (all tokens base here).
+  std::vector<int32_t> base(static_cast<size_t>(f.T), -1);
+  MoeWeights copy = f.w;
+  AdapterRegistry reg_own(copy, 4);
+  a.adapters = &reg_own;
+  a.adapter_ids = make_view(base.data(), DType::I32, {f.T});
+  EXPECT_NO_THROW(moe_run(f.w, a));
+  EXPECT_FALSE(f.untouched());
+}
+
+// A registry made with one shared expert is refused beside another shared expert.
+TEST(BadInputBaseline, RegistryOfAnotherSharedExpertIsRefused) {
+  Fixture f;
+  SyntheticLayer s1 = make_synthetic_shared_expert(kSmall, 32, 31);
+  SyntheticLayer s2 = make_synthetic_shared_expert(kSmall, 32, 32);
+  MoeWeights sw1 = prepare_weights(s1.desc(), Backend::CPU), sw2 = prepare_weights(s2.desc(), Backend::CPU);
+  AdapterRegistry reg(f.w, 4, &sw1);
+  MoeArgs a = f.args();
+  a.adapters = &reg;
+  a.adapter_ids = make_view(f.ids.data(), DType::I32, {f.T});
+  a.shared_expert = &sw2;
+  try {
+    moe_run(f.w, a);
+    FAIL() << "a registry made with another shared expert was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.argument(), "adapters") << e.what();
+  }
+  EXPECT_TRUE(f.untouched());
+  a.shared_expert = &sw1;
+  EXPECT_NO_THROW(moe_run(f.w, a));
+}
+}  // namespace

@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -257,8 +258,10 @@ inline std::unique_ptr<GpuCall> make_gpu_call(const Case& c, const Inputs& in, c
 }
 
 // Waits for the stream with a watchdog: a kernel that does not finish in `seconds` fails the test and
-// aborts the binary (a hang must never stall the suite).
+// aborts the binary (a hang must never stall the suite). FP4MOE_TEST_WATCHDOG_SCALE stretches it for runs under
+// compute-sanitizer, whose instrumented kernels run many times slower.
 inline void sync_with_watchdog(cudaStream_t s, double seconds = 60.0) {
+  if (const char* k = std::getenv("FP4MOE_TEST_WATCHDOG_SCALE")) seconds *= std::max(1.0, std::atof(k));
   const auto t0 = std::chrono::steady_clock::now();
   for (;;) {
     const cudaError_t e = cudaStreamQuery(s);

@@ -634,5 +634,109 @@ TEST(GpuLoraResident, SixtyFourAdaptersAndConcurrentLoads) {
   CUDA_OK(cudaStreamDestroy(s));
 }
 
+// ---- faults: a failing CUDA call, exhausted device memory ---------------------------------------------
+// Every checked CUDA call of a LoRA call (a fresh slot table each time: a reload of the same adapter before it) is
+// made to fail in turn: the call reports CudaError, and afterwards the registry and the weights still give the
+// clean call's bits.
+TEST(GpuFaults, EveryCheckedCudaCallFailsInTurn) {
+  FP4MOE_SKIP_WITHOUT_GPU();
+  Case c;
+  c.shape = model("qwen3_30b_a3b_tp4");
+  c.E_loc = c.E_total = 16;
+  c.T = 48;
+  c.shared = true;
+  c.shared_I = 64;
+  c.seed = 71;
+  auto layer = make_layer(c);
+  Registries R(*layer, 4);
+  const AdapterSpec spec0{LoraLayout::PeftFused, 16, false, true, 711};
+  R.load(0, *layer, spec0);
+  R.load(1, *layer, {LoraLayout::SharedOuter, 8, false, false, 712});
+  auto a0 = make_adapter(*layer, spec0);
+  const std::vector<int32_t> ids = cycle_ids(c.T, 2);
+  Inputs in = make_inputs(c);
+  LoraCall call{make_gpu_call(c, in, *layer), DevBuf()};
+  const std::vector<uint16_t> y0 = call.run(*layer, R.gpu.get(), ids);
+  check_device_errors(0);
+  int failures = 0, n = 0;
+  for (;; ++n) {
+    ASSERT_LT(n, 10000) << "the countdown never ran out";
+    cuda_backend::fail_checked_cuda_call(n);
+    bool threw = false;
+    try {
+      R.gpu->load(0, a0->desc());  // a new snapshot: the next call uploads its slot table
+      call.run(*layer, R.gpu.get(), ids);
+    } catch (const Error& e) {
+      threw = true;
+      EXPECT_EQ(e.code(), ErrorCode::CudaError) << e.what();
+    }
+    const bool pending = cuda_backend::checked_cuda_failure_pending();
+    cuda_backend::fail_checked_cuda_call(-1);
+    CUDA_OK(cudaDeviceSynchronize());
+    EXPECT_EQ(threw, !pending) << "call " << n << ": an injected failure must be reported, and only then";
+    if (!threw) break;  // n is past the last checked call of a load + call
+    ++failures;
+    EXPECT_TRUE(R.gpu->loaded(0) && R.gpu->loaded(1));
+    EXPECT_EQ(call.run(*layer, R.gpu.get(), ids), y0) << "after a failure at checked call " << n;
+    EXPECT_NO_THROW(check_device_errors(0));
+  }
+  EXPECT_GT(failures, 10);
+  std::printf("GpuFaults: %d checked CUDA calls in a load + LoRA call, each failed once; all recovered\n", failures);
+}
+
+// Device memory exhausted by another allocation: a call whose workspace cannot be allocated reports OutOfMemory
+// with y untouched, an adapter that cannot be uploaded leaves its slot as it was, and once memory is back the
+// same call gives the same bits.
+TEST(GpuFaults, DeviceMemoryExhausted) {
+  FP4MOE_SKIP_WITHOUT_GPU();
+  Case c;
+  c.shape = model("kimi_k3_tp8");
+  c.E_loc = c.E_total = 32;
+  c.T = 16384;  // ~1 GB of workspace
+  c.check_tokens = 4;
+  c.seed = 72;
+  auto layer = make_layer(c);
+  Registries R(*layer, 4);
+  R.load(0, *layer, {LoraLayout::PerExpert, 16, false, false, 721});
+  const std::vector<int32_t> ids = cycle_ids(c.T, 1);
+  Inputs in = make_inputs(c);
+  LoraCall call{make_gpu_call(c, in, *layer), DevBuf()};
+  const std::vector<uint16_t> y0 = call.run(*layer, R.gpu.get(), ids);
+  auto big = make_adapter(*layer, {LoraLayout::PerExpert, 64, false, false, 722});
+  // Take all but ~24 MB of the device (the stream-ordered pool trimmed first, so it holds nothing in reserve).
+  CUDA_OK(cudaDeviceSynchronize());
+  cudaMemPool_t pool;
+  CUDA_OK(cudaDeviceGetDefaultMemPool(&pool, 0));
+  CUDA_OK(cudaMemPoolTrimTo(pool, 0));
+  std::vector<void*> filler;
+  for (size_t chunk = size_t(1) << 32; chunk >= (size_t(1) << 20);) {
+    size_t free_b = 0, total_b = 0;
+    CUDA_OK(cudaMemGetInfo(&free_b, &total_b));
+    if (free_b < (size_t(24) << 20) + chunk) { chunk /= 2; continue; }
+    void* p = nullptr;
+    if (cudaMalloc(&p, chunk) != cudaSuccess) { (void)cudaGetLastError(); chunk /= 2; continue; }
+    filler.push_back(p);
+  }
+  call.g->y.fill_byte(0xff);
+  try {
+    moe_run(layer->gpu, call.g->args);
+    ADD_FAILURE() << "expected OutOfMemory";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::OutOfMemory) << e.what();
+  }
+  CUDA_OK(cudaDeviceSynchronize());
+  EXPECT_EQ(count_poison(call.g->y.download<uint16_t>()), c.T * c.shape.H) << "y untouched";
+  try {
+    R.gpu->load(2, big->desc());  // 32 experts x rank 64: ~50 MB of matrices, more than is left
+    ADD_FAILURE() << "expected OutOfMemory";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::OutOfMemory) << e.what();
+  }
+  EXPECT_FALSE(R.gpu->loaded(2)) << "a failed load leaves the slot as it was";
+  for (void* p : filler) CUDA_OK(cudaFree(p));
+  EXPECT_EQ(call.run(*layer, R.gpu.get(), ids), y0) << "the next call after memory came back";
+  EXPECT_NO_THROW(check_device_errors(0));
+}
+
 }  // namespace
 }  // namespace fp4moe::gputest

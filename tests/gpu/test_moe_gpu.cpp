@@ -396,6 +396,108 @@ TEST(GpuDeviceErrors, OutOfRangeIdsSetFlag) {
   EXPECT_NO_THROW(check_device_errors(0));
 }
 
+// Per-expert activation parameters that live on the GPU are checked there: a bad value raises the flag naming its
+// argument, every (token, slot) routed to that expert is dropped, and every other slot is computed as usual.
+TEST(GpuDeviceErrors, BadActivationParamsDropTheirExpert) {
+  FP4MOE_SKIP_WITHOUT_GPU();
+  Case c;
+  c.shape = model("kimi_k3_tp8");  // Situ: alpha, beta > 0
+  c.E_loc = c.E_total = 16;
+  c.T = 24;
+  c.precomputed = true;
+  auto layer = make_layer(c);
+  const Inputs in = make_inputs(c);
+  constexpr int kBad = 3;
+  int routed_to_bad = 0;
+  for (int32_t id : in.ids) routed_to_bad += id == kBad;
+  ASSERT_GT(routed_to_bad, 0);
+  check_device_errors(0);  // clean start
+  struct Sub {
+    const char* argument;
+    int which;  // 0 alpha, 1 beta, 2 clamp_limit
+    float value;
+  };
+  for (const Sub sub : {Sub{"activation.alpha", 0, -1.f}, Sub{"activation.beta", 1, 0.f},
+                        Sub{"activation.alpha", 0, INFINITY}, Sub{"activation.clamp_limit", 2, NAN},
+                        Sub{"activation.clamp_limit", 2, -2.f}}) {
+    SCOPED_TRACE(std::string(sub.argument) + " = " + std::to_string(sub.value));
+    std::vector<float> good[3] = {std::vector<float>(c.E_loc, 4.f), std::vector<float>(c.E_loc, 25.f),
+                                  std::vector<float>(c.E_loc, 1e4f)};
+    std::vector<float> bad[3] = {good[0], good[1], good[2]};
+    bad[sub.which][kBad] = sub.value;
+    DevBuf dg[3] = {DevBuf::from(good[0]), DevBuf::from(good[1]), DevBuf::from(good[2])};
+    DevBuf db[3] = {DevBuf::from(bad[0]), DevBuf::from(bad[1]), DevBuf::from(bad[2])};
+    auto with_params = [&](GpuCall& g, DevBuf* p) {
+      g.args.activation.alpha = dview(p[0], DType::F32, {c.E_loc});
+      g.args.activation.beta = dview(p[1], DType::F32, {c.E_loc});
+      g.args.activation.clamp_limit = dview(p[2], DType::F32, {c.E_loc});
+    };
+    auto call = make_gpu_call(c, in, *layer);
+    with_params(*call, db);
+    const auto y = run_gpu(layer->gpu, *call);
+    EXPECT_EQ(count_poison(y), 0) << "every output element is written";
+    try {
+      check_device_errors(0);
+      ADD_FAILURE() << "expected DeviceFault";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::DeviceFault) << e.what();
+      EXPECT_EQ(e.argument(), sub.argument) << e.what();
+    }
+    EXPECT_NO_THROW(check_device_errors(0)) << "the flag is cleared once reported";
+    // Tokens not routed to the bad expert: bit for bit a clean call's.
+    auto clean = make_gpu_call(c, in, *layer);
+    with_params(*clean, dg);
+    const auto y_clean = run_gpu(layer->gpu, *clean);
+    EXPECT_NO_THROW(check_device_errors(0)) << "a clean call leaves the flag clear";
+    std::vector<int64_t> all;
+    for (int64_t t = 0; t < c.T; ++t) {
+      all.push_back(t);
+      bool hit = false;
+      for (int64_t j = 0; j < in.k; ++j) hit |= in.ids[t * in.k + j] == kBad;
+      if (!hit) EXPECT_TRUE(std::equal(y.begin() + t * in.H, y.begin() + (t + 1) * in.H, y_clean.begin() + t * in.H)) << t;
+    }
+    // Every token: the reference with the bad expert's slots weighted 0 (dropped).
+    Inputs dropped = in;
+    for (size_t i = 0; i < dropped.ids.size(); ++i)
+      if (dropped.ids[i] == kBad) dropped.weights[i] = 0.f;
+    layer->L.alpha = good[0];
+    layer->L.beta = good[1];
+    layer->L.clamp = good[2];
+    const auto ref = run_reference(c, dropped, *layer, all, Precision::Fp64);
+    EXPECT_LE(compare(y, ref, all, in.H).rel_l2, kRelL2A16);
+  }
+}
+
+// The routing bias lives on the GPU only: a value that is not finite raises the flag naming routing.bias; the
+// experts chosen stay in range, so every output element is still written and nothing is read out of bounds.
+TEST(GpuDeviceErrors, NonFiniteRoutingBiasSetsFlag) {
+  FP4MOE_SKIP_WITHOUT_GPU();
+  Case c;
+  c.shape = model("deepseek_v3_ep8");
+  c.E_loc = c.E_total = 16;  // 8 groups of 2
+  c.T = 12;
+  auto layer = make_layer(c);
+  Inputs in = make_inputs(c);
+  check_device_errors(0);
+  for (const float v : {NAN, INFINITY, -INFINITY}) {
+    Inputs bad = in;
+    bad.bias[5] = v;
+    auto call = make_gpu_call(c, bad, *layer);
+    const auto y = run_gpu(layer->gpu, *call);
+    EXPECT_EQ(count_poison(y), 0);
+    try {
+      check_device_errors(0);
+      ADD_FAILURE() << "expected DeviceFault for bias " << v;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::DeviceFault) << e.what();
+      EXPECT_EQ(e.argument(), "routing.bias") << e.what();
+    }
+  }
+  auto ok = make_gpu_call(c, in, *layer);
+  run_gpu(layer->gpu, *ok);
+  EXPECT_NO_THROW(check_device_errors(0));
+}
+
 // ---- workspace: too small is refused (naming it), a given one equals the internal one ---------------
 TEST(GpuWorkspace, GivenWorkspace) {
   FP4MOE_SKIP_WITHOUT_GPU();
