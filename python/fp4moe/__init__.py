@@ -17,12 +17,23 @@ from ._api import (AdapterRegistry, MoeWeights, build_info, check_device_errors,
                    prepare_bf16_weights, prepare_weights, quantize_weights, read_peft_experts_lora, route,
                    workspace_size)
 
+_CHECKPOINT_NAMES = ("MoeLayer", "inspect_checkpoint", "load_moe_layer", "read_moe_layer")
+
+
+def __getattr__(name):
+    # fp4moe.checkpoint is imported on first use, so that `python -m fp4moe.checkpoint` runs it unimported
+    if name in _CHECKPOINT_NAMES:
+        from . import checkpoint
+        return getattr(checkpoint, name)
+    raise AttributeError(f"module 'fp4moe' has no attribute {name!r}")
+
 __version__ = _loader.binary_info()["version"]
 
 __all__ = [
     "ActivationType", "ActMode", "AdapterRegistry", "ErrorCode", "Fp4MoeError", "GateUpOrder", "LoraLayout",
     "MoeWeights", "RoutingMethod", "ScaleLayout", "WeightFormat", "build_info", "check_device_errors",
-    "dequantize_weights", "from_hf_experts", "list_peft_expert_modules", "moe", "object_of_handle",
+    "dequantize_weights", "from_hf_experts", "inspect_checkpoint", "list_peft_expert_modules",
+    "load_moe_layer", "moe", "MoeLayer", "read_moe_layer", "object_of_handle",
     "peft_expert_matrices", "prepare_bf16_weights", "prepare_weights", "quantize_weights",
     "read_peft_experts_lora", "route", "workspace_size",
 ]

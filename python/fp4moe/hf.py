@@ -28,6 +28,11 @@ adapter at swap time; `set_active_adapter(model, name_or_None)` switches it, `se
 one adapter slot per sequence (a mixed batch; -1 = base). PEFT merges the delta into the bf16 weight
 (W + s*B@A rounded to the weight dtype); fp4moe adds it unmerged, in fp32, before the activation (SPEC §5).
 
+Checkpoints. `swap_moe_blocks(model, checkpoint=DIR)` fills the blocks from an NVFP4 checkpoint's own experts
+(ModelOpt or compressed-tensors, read by fp4moe.checkpoint.load_moe_layer; layer N is the block whose module name
+holds `layers.N.`) instead of quantizing the model's weights: the rest of the model stays as transformers loaded it.
+Every layer is read and prepared before any block is replaced, so a bad file leaves the model untouched.
+
 Numerics vs transformers: the op accumulates in fp32 and rounds once to bf16 (SPEC §3.2); transformers rounds every
 intermediate to the model dtype. With quantize=True the experts are NVFP4 (SPEC §2, per-half global scales);
 `write_back=True` writes the decoded NVFP4 weights into the original experts so that the original model (after
@@ -267,7 +272,7 @@ def _peft_active_adapter(model) -> Optional[str]:
 def swap_moe_blocks(model: nn.Module, *, quantize: bool = True, adapters="auto", num_slots: int = 8,
                     device=None, routing: str = "fused", write_back: bool = False,
                     block_classes: Iterable[str] = SUPPORTED_BLOCKS, use_workspace: bool = False,
-                    max_tokens: int = 0) -> MoeSwap:
+                    max_tokens: int = 0, checkpoint=None) -> MoeSwap:
     """Replaces every supported sparse MoE block of `model` by an Fp4MoeSparseMoeBlock (in place).
 
     quantize: True -> NVFP4 experts (SPEC §2, per-half global scales); False -> the weights as bfloat16.
@@ -278,6 +283,8 @@ def swap_moe_blocks(model: nn.Module, *, quantize: bool = True, adapters="auto",
     write_back: write the decoded NVFP4 weights into the original experts (kept in MoeSwap.originals), so that
       the original blocks compute with the same weights after restore().
     use_workspace: give each block a workspace for up to max_tokens tokens (CUDA; allocation-free calls).
+    checkpoint: a checkpoint directory (or fp4moe.checkpoint.Checkpoint) whose NVFP4 (or bf16) experts fill the
+      blocks, read layer by layer; quantize and write_back do not apply then.
     Returns a MoeSwap (restore() undoes the swap)."""
     classes = tuple(block_classes)
     targets = [(n, m) for n, m in model.named_modules()
@@ -286,6 +293,13 @@ def swap_moe_blocks(model: nn.Module, *, quantize: bool = True, adapters="auto",
         raise error("model", f"no MoE block of the classes {list(classes)} found")
     active = _peft_active_adapter(model) if adapters not in (None, False) else None
     swap = MoeSwap(model)
+    ck = None
+    if checkpoint is not None:
+        from . import checkpoint as _ckpt
+        if write_back:
+            raise error("write_back", "does not apply with checkpoint= (the experts come from the checkpoint)")
+        ck = checkpoint if isinstance(checkpoint, _ckpt.Checkpoint) else _ckpt.Checkpoint(checkpoint)
+    new_blocks = []  # replaced only once every block is ready: an error leaves the model as it was
     for name, block in targets:
         experts, wrappers = _unwrap_experts(block.experts)
         gu, dn = _expert_tensors(experts)
@@ -298,7 +312,9 @@ def swap_moe_blocks(model: nn.Module, *, quantize: bool = True, adapters="auto",
         dev = device
         if dev is None:
             dev = "cpu" if gu.device.type == "cpu" else f"cuda:{gu.device.index or 0}"
-        if quantize:
+        if ck is not None:
+            weights = _checkpoint_weights(ck, name, act, dev, E, H, n1)
+        elif quantize:
             q = _api.quantize_weights(gu, dn, gate_up_order="gate_first", activation=act)
             weights = _api.prepare_weights(**q, gate_up_order="gate_first", activation=act, device=dev)
             if write_back:
@@ -339,10 +355,27 @@ def swap_moe_blocks(model: nn.Module, *, quantize: bool = True, adapters="auto",
             new.workspace = _ops.workspace_for(weights, max_tokens, top_k, activation=act,
                                                routing_from_logits=routing == "fused",
                                                max_lora_rank=64 if registry is not None else 0)
+        new_blocks.append((name, new, block))
+    for name, new, block in new_blocks:
         _set_submodule(model, name, new)
         swap.blocks[name] = new
         swap.originals[name] = block
     return swap
+
+
+def _checkpoint_weights(ck, name: str, act, device, E: int, H: int, n1: int):
+    """The prepared experts of block `name` from the checkpoint, checked against the block's shapes."""
+    import re
+    from . import checkpoint as _ckpt
+    m = re.search(r"(?:^|\.)layers\.(\d+)\.", name + ".")
+    if m is None:
+        raise error("checkpoint", f"{name}: cannot tell the block's layer index from its module name")
+    layer = _ckpt.load_moe_layer(ck, int(m.group(1)), device=device, activation=act, shared_expert=False)
+    w = layer.weights
+    if (w.num_experts, w.hidden, 2 * w.inter if w.gated else w.inter) != (E, H, n1):
+        raise error("checkpoint", f"{name}: the checkpoint's layer {m.group(1)} has E={w.num_experts}, H={w.hidden}, "
+                                  f"I={w.inter}; the model's block has E={E}, H={H}, N1={n1}")
+    return w
 
 
 def _blocks(model: nn.Module):

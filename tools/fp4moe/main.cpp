@@ -1,5 +1,5 @@
 // fp4moe command-line tool: demo (the built-in default layer), info (build information),
-// check and bench (validation harness and benchmarks; see their issues).
+// check and bench (validation harness and benchmarks; see their issues), inspect (a checkpoint's MoE layers).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -18,6 +18,8 @@
 
 using namespace fp4moe;
 
+int run_inspect(int argc, char** argv);  // inspect.cpp
+
 namespace {
 
 void progress(const char* fmt, const std::string& s = "") {
@@ -32,7 +34,8 @@ int usage() {
       "                                             on the GPU when there is one, else on the CPU reference\n"
       "  info                                       build information\n"
       "  check [--help]                             validation harness: LoRA phases and invariants vs the CPU reference\n"
-      "  bench [--help]                             benchmarks: time, bandwidth, TFLOP/s vs ceilings measured in the same run");
+      "  bench [--help]                             benchmarks: time, bandwidth, TFLOP/s vs ceilings measured in the same run\n"
+      "  inspect CHECKPOINT_DIR                     a checkpoint's MoE layers: formats, shapes, bytes, what would load");
   return 2;
 }
 
@@ -203,6 +206,7 @@ int main(int argc, char** argv) {
     }
     if (cmd == "check") return run_check(argc - 2, argv + 2);
     if (cmd == "bench") return run_bench(argc - 2, argv + 2);
+    if (cmd == "inspect") return run_inspect(argc - 2, argv + 2);
     return usage();
   } catch (const Error& e) {
     std::fprintf(stderr, "fp4moe %s: error (%s): %s\n", cmd.c_str(), to_string(e.code()), e.what());

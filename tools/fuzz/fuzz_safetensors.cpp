@@ -8,6 +8,9 @@
 //   3. a PEFT adapter: byte 0 = read options, bytes 1-2 = little-endian length L of the
 //      adapter_config.json text that follows, the rest = adapter_model.safetensors. Small inputs are
 //      also written to a directory and read through the public file API (read_peft_experts_lora).
+//   4. the same split as a checkpoint directory (options bit 0x40): config.json (and, with bit 0x20,
+//      hf_quant_config.json) = the JSON text, model.safetensors = the image; inspect_checkpoint and
+//      read_moe_layer of each layer it lists.
 // Build and run: tools/fuzz/run_fuzz.sh.
 #include <unistd.h>
 
@@ -19,6 +22,7 @@
 #include <string_view>
 #include <vector>
 
+#include "fp4moe/checkpoint.h"
 #include "fp4moe/peft.h"
 #include "fp4moe/types.h"
 #include "runtime/json.h"
@@ -105,6 +109,43 @@ void read_peft_from_disk(std::string_view config, const uint8_t* st_data, size_t
   }
 }
 
+// A checkpoint directory on disk (small inputs only): the MoE layer reader over config files and one shard.
+void read_checkpoint_from_disk(std::string_view config, const uint8_t* st_data, size_t st_size, uint8_t opt_byte) {
+  static const std::string dir = [] {
+    char tmpl[] = "/tmp/fp4moe_fuzz_ckpt_XXXXXX";
+    const char* d = mkdtemp(tmpl);
+    if (!d) std::abort();
+    return std::string(d);
+  }();
+  auto write = [](const std::string& path, const void* p, size_t n) {
+    FILE* f = std::fopen(path.c_str(), "wb");
+    if (!f) std::abort();
+    if (n && std::fwrite(p, 1, n, f) != n) std::abort();
+    std::fclose(f);
+  };
+  write(dir + "/config.json", config.data(), config.size());
+  const std::string hq = dir + "/hf_quant_config.json";
+  if (opt_byte & 0x20) write(hq, config.data(), config.size());
+  else std::remove(hq.c_str());
+  write(dir + "/model.safetensors", st_data, st_size);
+  try {
+    const fp4moe::CheckpointInfo info = fp4moe::inspect_checkpoint(dir);
+    (void)fp4moe::format_checkpoint_info(info);
+    for (const auto& l : info.layers) {
+      try {
+        fp4moe::CheckpointOptions o;
+        o.tp_world = (opt_byte & 1) ? 2 : 1;
+        o.ep_world = (opt_byte & 2) ? 2 : 1;
+        const fp4moe::CheckpointLayer r = fp4moe::read_moe_layer(dir, l.layer, o);
+        volatile uint64_t sink = r.routed.w1.size() + r.routed.w1_bf16.size() + r.router.weight.size();
+        (void)sink;
+      } catch (const Error&) {
+      }
+    }
+  } catch (const Error&) {
+  }
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
@@ -138,6 +179,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     } catch (const Error&) {
     }
     if (size <= 4096 && (opt_byte & 0x80)) read_peft_from_disk(config, st_data, st_size, opt_byte);
+    if (size <= 8192 && (opt_byte & 0x40)) read_checkpoint_from_disk(config, st_data, st_size, opt_byte);
   }
   return 0;
 }

@@ -4,12 +4,14 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <map>
 #include <string>
 #include <vector>
 
+#include "fp4moe/checkpoint.h"
 #include "runtime/peft.h"
 #include "runtime/safetensors.h"
 
@@ -101,6 +103,35 @@ int main(int argc, char** argv) {
     save(dir + "/peft_gate_up.bin",
          peft_input(0x80, R"({"r": 2, "lora_alpha": 3.5, "use_rslora": true, "target_parameters": ["mlp.experts.gate_up_proj"]})",
                     file_image(tmp, gu)));
+
+    // A checkpoint directory (input bit 0x40): ModelOpt W4A16_NVFP4 experts, E = 2, H = I = 16.
+    {
+      const std::string cfg =
+          R"({"model_type": "qwen3_moe", "hidden_act": "silu", "num_experts": 2, "num_experts_per_tok": 1,)"
+          R"( "quantization_config": {"quant_method": "modelopt", "quant_algo": "W4A16_NVFP4", "group_size": 16}})";
+      std::vector<st::WriteTensor> ck = {{"model.layers.0.mlp.gate.weight", "BF16", {2, 16}, bf16_bytes(32, 7)}};
+      const std::vector<uint8_t> s2 = {0x6f, 0x12, 0x83, 0x3b};  // 0.004f
+      for (int e = 0; e < 2; ++e)
+        for (const char* proj : {"gate_proj", "up_proj", "down_proj"}) {
+          const std::string m = "model.layers.0.mlp.experts." + std::to_string(e) + "." + proj;
+          ck.push_back({m + ".weight", "U8", {16, 8}, std::vector<uint8_t>(128, static_cast<uint8_t>(0x21 + e))});
+          ck.push_back({m + ".weight_scale", "F8_E4M3", {16, 1}, std::vector<uint8_t>(16, 0x38)});
+          ck.push_back({m + ".weight_scale_2", "F32", {}, s2});
+        }
+      const std::vector<uint8_t> img = file_image(tmp, ck);
+      const std::string cdir = dir + "/.ckpt";
+      std::filesystem::create_directories(cdir);
+      save(cdir + "/config.json", std::vector<uint8_t>(cfg.begin(), cfg.end()));
+      save(cdir + "/model.safetensors", img);
+      const fp4moe::CheckpointLayer l = fp4moe::read_moe_layer(cdir, 0);
+      std::filesystem::remove_all(cdir);
+      if (l.routed.E != 2 || l.routed.H != 16 || l.routed.I != 16) {
+        std::fprintf(stderr, "make_seeds: the checkpoint seed does not read back\n");
+        return 1;
+      }
+      save(dir + "/checkpoint_disk.bin", peft_input(0x40, cfg, img));
+      save(dir + "/checkpoint_tp_ep.bin", peft_input(0x43, cfg, img));
+    }
 
     // JSON texts.
     const std::string js = R"({"a": [1, -2.5e3, true, false, null, "s\u00e9\n"], "b": {"c": {}}, "d": []})";
