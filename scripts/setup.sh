@@ -15,7 +15,7 @@ if [ ${#need_apt[@]} -gt 0 ]; then
 fi
 # Python test dependencies (see requirements-test.txt).
 here="$(cd "$(dirname "$0")/.." && pwd)"
-if ! python3 -c "import numpy, ml_dtypes, pytest, nanobind, scikit_build_core, safetensors" 2>/dev/null; then
+if ! python3 -c "import numpy, ml_dtypes, pytest, nanobind, scikit_build_core, safetensors, hypothesis" 2>/dev/null; then
   echo "setup: pip install -r requirements-test.txt"
   python3 -m pip install -q -r "$here/requirements-test.txt" || python3 -m pip install -q --break-system-packages -r "$here/requirements-test.txt"
 fi

@@ -1,6 +1,7 @@
 // The fused NVFP4 MoE operator with multi-LoRA (SPEC §3-§6): a prepare step for weights,
 // an adapter registry, one run call. Every backend sits behind these types.
 #pragma once
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -166,6 +167,11 @@ struct MoeArgs {
 
 // Runs the operator on the backend of `weights`. Throws fp4moe::Error; y untouched on error.
 void moe_run(const MoeWeights& weights, const MoeArgs& args);
+
+// Bytes of `workspace` moe_run needs for `args` on `weights` (0 on the CPU backend). Tensors count by their shape,
+// so a view with a shape and no data will do (x [T, H]; routing.logits or routing.topk_ids); the size never
+// decreases with T, and with a registry it holds adapters of any rank.
+size_t workspace_size(const MoeWeights& weights, const MoeArgs& args);
 
 // Routing alone (the first stage of moe_run), host tensors: ids i32 [T, k], weights f32 [T, k].
 void route(const RoutingArgs& routing, int64_t num_experts_total, TensorView topk_ids_out,

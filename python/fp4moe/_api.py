@@ -14,9 +14,9 @@ from . import _loader
 from ._enums import (FORMAT_ALIASES, GATE_UP_ORDER_ALIASES, LORA_LAYOUT_ALIASES, MODE_ALIASES,
                      PRECISION_ALIASES, SCALE_LAYOUT_ALIASES, ActivationType, ActMode, GateUpOrder, LoraLayout,
                      Precision, RoutingMethod, ScaleLayout, WeightFormat, is_gated, parse_enum)
-from ._errors import ErrorCode, error
-from ._tensors import (BF16, E4M3, as_arg, device_of, empty_bf16, is_torch, per_expert, require_ndim, shape_of,
-                       to_host_float, to_int32)
+from ._errors import ErrorCode, Fp4MoeError, error, renamed
+from ._tensors import (BF16, E4M3, INT32_RANGE, as_arg, as_float, as_int, device_of, empty_bf16, is_torch, per_expert,
+                       require_ndim, shape_of, to_host_float, to_int32)
 
 _C = _loader.C
 
@@ -120,6 +120,17 @@ def _gated_and_order(activation, gate_up_order, gated=None):
     return act, bool(gated), order
 
 
+# prepare_weights' C++ fields that the Python layer derives from a tensor's shape (or from `device`).
+_PREPARE_NAMES = {"hidden": "w1", "num_experts": "w1", "inter": "w2", "backend": "device", "device_id": "device"}
+
+
+def _prepare_native(tensors, fmt, order, layout, gated, E, H, I, dev):
+    try:
+        return _C.prepare_weights(tensors, int(fmt), int(order), int(layout), gated, E, H, I, _backend(dev), dev[1])
+    except Fp4MoeError as e:
+        raise renamed(e, _PREPARE_NAMES) from None
+
+
 def prepare_weights(w1, w1_scale, w1_scale2, w2, w2_scale, w2_scale2, *, gate_up_order=None,
                     scale_layout="linear", activation=None, gated=None, bias1=None, bias2=None,
                     device=None) -> MoeWeights:
@@ -140,8 +151,7 @@ def prepare_weights(w1, w1_scale, w1_scale2, w2, w2_scale, w2_scale2, *, gate_up
                "w1_scale2": as_arg(w1_scale2, "w1_scale2"), "w2": as_arg(w2, "w2"),
                "w2_scale": as_arg(w2_scale, "w2_scale"), "w2_scale2": as_arg(w2_scale2, "w2_scale2"),
                "bias1": as_arg(bias1, "bias1"), "bias2": as_arg(bias2, "bias2")}
-    native = _C.prepare_weights(tensors, int(WeightFormat.NVFP4), int(order), int(layout), gated, E, H, I,
-                                _backend(dev), dev[1])
+    native = _prepare_native(tensors, WeightFormat.NVFP4, order, layout, gated, E, H, I, dev)
     return MoeWeights(native, dev, act)
 
 
@@ -154,8 +164,7 @@ def prepare_bf16_weights(w1, w2, *, gate_up_order=None, activation=None, gated=N
     dev = _parse_device(device, device_of(w1, _describe))
     tensors = {"w1": as_arg(w1, "w1"), "w2": as_arg(w2, "w2"), "bias1": as_arg(bias1, "bias1"),
                "bias2": as_arg(bias2, "bias2")}
-    native = _C.prepare_weights(tensors, int(WeightFormat.BF16), int(order), int(ScaleLayout.Linear), gated, E, H, I,
-                                _backend(dev), dev[1])
+    native = _prepare_native(tensors, WeightFormat.BF16, order, ScaleLayout.Linear, gated, E, H, I, dev)
     return MoeWeights(native, dev, act)
 
 
@@ -239,7 +248,7 @@ class AdapterRegistry:
             raise error("shared_expert", f"expected fp4moe.MoeWeights, got {type(shared_expert).__name__}")
         self.weights = weights
         self.shared_expert = shared_expert
-        self._native = _C.AdapterRegistry(weights.native, int(num_slots),
+        self._native = _C.AdapterRegistry(weights.native, as_int(num_slots, "num_slots", INT32_RANGE),
                                           None if shared_expert is None else shared_expert.native)
         self.handle = _new_handle(self)
 
@@ -253,6 +262,9 @@ class AdapterRegistry:
         ('peft_fused', 'shared_outer'); a_down, b_down; shared_* for the shared expert's own LoRA.
         The scale lora_alpha / rank (/ sqrt(rank) with use_rslora) is required; rank defaults to the
         A matrices' rank dimension."""
+        slot = as_int(slot, "slot", INT32_RANGE)
+        if tensors is not None and not isinstance(tensors, Mapping):
+            raise error("tensors", f"expected a dict of adapter tensors by name, got {type(tensors).__name__}")
         t = dict(tensors or {})
         for k, v in kw.items():
             if k in t:
@@ -264,7 +276,10 @@ class AdapterRegistry:
         lay = parse_enum(LoraLayout, layout, "layout", LORA_LAYOUT_ALIASES)
         if lora_alpha is None:
             raise error("lora_alpha", "is required (the adapter's scale is lora_alpha / rank)")
-        if rank is None:
+        lora_alpha = as_float(lora_alpha, "lora_alpha")
+        if rank is not None:
+            rank = as_int(rank, "rank")
+        else:
             for k in ("a_gate_up", "a_gate", "a_down", "shared_a_gate_up", "shared_a_down"):
                 if t.get(k) is not None:
                     s = shape_of(t[k], k)
@@ -275,7 +290,7 @@ class AdapterRegistry:
             else:
                 raise error("rank", "cannot be inferred: no A matrix given")
         args = {k: as_arg(v, k) for k, v in t.items() if v is not None}
-        self._native._load(int(slot), args, int(lay), int(rank), float(lora_alpha), bool(use_rslora))
+        self._native._load(slot, args, int(lay), int(rank), lora_alpha, bool(use_rslora))
 
     def load_peft(self, slot: int, adapter_dir: str, module_prefix: str, *, expert_offset: int = 0) -> None:
         """Loads one MoE layer's expert LoRA from a saved PEFT adapter (adapter_config.json +
@@ -291,10 +306,10 @@ class AdapterRegistry:
                   use_rslora=d["use_rslora"])
 
     def unload(self, slot: int) -> None:
-        self._native.unload(int(slot))
+        self._native.unload(as_int(slot, "slot", INT32_RANGE))
 
     def loaded(self, slot: int) -> bool:
-        return bool(self._native.loaded(int(slot)))
+        return bool(self._native.loaded(as_int(slot, "slot", INT32_RANGE)))
 
     def __repr__(self):
         n = sum(self.loaded(i) for i in range(self.num_slots))
@@ -360,6 +375,21 @@ def _stream_of(stream, x, device):
                           f"{type(stream).__name__}")
 
 
+def _check_known_params(value, name: str, positive: bool, allow_inf: bool) -> None:
+    """A scalar or list of per-expert parameters is known here: checked as validate.cpp checks host tensors, before
+    it becomes a device tensor that only the GPU could check."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, list, tuple)):
+        return
+    try:
+        vals = np.asarray(value, dtype=np.float64).ravel()
+    except (TypeError, ValueError):
+        raise error(name, f"expected numbers, got {value!r}") from None
+    for i, v in enumerate(vals):
+        if np.isnan(v) or (not allow_inf and np.isinf(v)) or (positive and not v > 0):
+            want = ("positive " if positive else "") + ("number (inf = none)" if allow_inf else "finite number")
+            raise error(name, f"element {i} is {v}; expected a {want}")
+
+
 def moe(x, weights: MoeWeights, *, routing_logits=None, routing_bias=None, topk_ids=None, topk_weights=None,
         top_k: int, routing_method, n_group: int = 1, topk_group: int = 1, routed_scaling_factor: float = 1.0,
         activation=None, gemm1_alpha=None, gemm1_beta=None, gemm1_clamp_limit=None, num_experts_total: int = 0,
@@ -394,12 +424,38 @@ def moe(x, weights: MoeWeights, *, routing_logits=None, routing_bias=None, topk_
         raise error("adapters", f"expected fp4moe.AdapterRegistry, got {type(adapters).__name__}")
     if shared_expert is not None and not isinstance(shared_expert, MoeWeights):
         raise error("shared_expert", f"expected fp4moe.MoeWeights, got {type(shared_expert).__name__}")
+    top_k, n_group, topk_group = as_int(top_k, "top_k"), as_int(n_group, "n_group"), as_int(topk_group, "topk_group")
+    num_experts_total = as_int(num_experts_total, "num_experts_total")
+    local_expert_offset = as_int(local_expert_offset, "local_expert_offset")
+    num_threads = as_int(num_threads, "num_threads", INT32_RANGE)
+    gemm_tile = as_int(gemm_tile, "gemm_tile", INT32_RANGE)
+    workspace_budget = as_int(workspace_budget, "workspace_budget")
+    routed_scaling_factor = as_float(routed_scaling_factor, "routed_scaling_factor")
+    fc1_input_scale = as_float(fc1_input_scale, "fc1_input_scale")
+    fc2_input_scale = as_float(fc2_input_scale, "fc2_input_scale")
+    # The native call takes the shared expert's three parameters together; one that is not given keeps the
+    # activation's default (docs/api.md), as it does when none is given.
+    shared_given = any(v is not None for v in (shared_alpha, shared_beta, shared_clamp_limit))
+    d_alpha, d_beta, d_clamp = _SHARED_DEFAULTS.get(act, (1.0, 0.0, None))
+    shared_alpha = d_alpha if shared_alpha is None else as_float(shared_alpha, "shared_alpha")
+    shared_beta = d_beta if shared_beta is None else as_float(shared_beta, "shared_beta")
+    shared_clamp = _clamp_value(d_clamp if shared_clamp_limit is None else shared_clamp_limit)
+    if shared_expert is not None and shared_given:  # each named for itself (the native check names shared_alpha)
+        positive = act == ActivationType.Situ
+        for name, v in (("shared_alpha", shared_alpha), ("shared_beta", shared_beta)):
+            if not math.isfinite(v) or (positive and v <= 0):
+                raise error(name, f"expected a finite{' positive' if positive else ''} number, got {v}")
+        if math.isnan(shared_clamp) or shared_clamp < 0:
+            raise error("shared_clamp_limit", f"expected a limit >= 0 (0 or inf: none), got {shared_clamp_limit}")
+    situ = act == ActivationType.Situ
+    _check_known_params(gemm1_alpha, "gemm1_alpha", situ, False)
+    _check_known_params(gemm1_beta, "gemm1_beta", situ, False)
+    _check_known_params(gemm1_clamp_limit, "gemm1_clamp_limit", True, True)
     xs = require_ndim(x, "x", 2, "[T, H] bfloat16")
     dev = weights._device
     E_loc = weights.num_experts
     if out is None:
         out = empty_bf16((xs[0], weights.hidden), x, device_of(x, _describe), "out")
-    shared_given = any(v is not None for v in (shared_alpha, shared_beta, shared_clamp_limit))
     tensors = {
         "x": as_arg(x, "x"),
         "routing_logits": as_arg(routing_logits, "routing_logits"),
@@ -417,42 +473,52 @@ def moe(x, weights: MoeWeights, *, routing_logits=None, routing_bias=None, topk_
         "workspace": as_arg(workspace, "workspace"),
     }
     # _runner: fp4moe.distributed's moe_tp / moe_ep (same arguments, the parallel native call).
-    (_runner or _C.moe_run)(weights.native, tensors, int(method), int(top_k), int(n_group), int(topk_group),
-               float(routed_scaling_factor), int(act), int(num_experts_total), int(local_expert_offset), int(md),
-               float(fc1_input_scale), float(fc2_input_scale), bool(per_token_x_scale),
+    (_runner or _C.moe_run)(weights.native, tensors, int(method), top_k, n_group, topk_group,
+               routed_scaling_factor, int(act), num_experts_total, local_expert_offset, int(md),
+               fc1_input_scale, fc2_input_scale, bool(per_token_x_scale),
                None if shared_expert is None else shared_expert.native,
-               1.0 if shared_alpha is None else float(shared_alpha),
-               0.0 if shared_beta is None else float(shared_beta),
-               _clamp_value(shared_clamp_limit), shared_given,
+               shared_alpha, shared_beta, shared_clamp, shared_given,
                None if adapters is None else adapters.native,
-               _stream_of(stream, x, dev), int(prec), int(num_threads), int(gemm_tile), int(workspace_budget))
+               _stream_of(stream, x, dev), int(prec), num_threads, gemm_tile, workspace_budget)
     return out
 
 
 def workspace_size(weights: MoeWeights, num_tokens: int, top_k: int, *, routing_from_logits: bool = True,
                    num_experts_total: int = 0, n_group: int = 1, activation=None, mode="a16",
                    shared_expert: MoeWeights | None = None, max_lora_rank: int = 0,
-                   workspace_budget: int = 0) -> int:
+                   workspace_budget: int = 0, gemm_tile: int = -1) -> int:
     """Bytes of `workspace` the CUDA backend uses for a call with up to num_tokens tokens (0 on the CPU
     backend, which takes no workspace). The size does not decrease with num_tokens, so a buffer sized for
     the largest batch serves every smaller one; passing it makes the call allocation-free (CUDA graphs).
-    workspace_budget: as moe's (0 = the default, 4 GiB): the size stops growing there (chunks)."""
+    workspace_budget and gemm_tile: as moe's (the size depends on both: ask with the call's values).
+    max_lora_rank: the largest adapter rank the calls will see (0: no LoRA)."""
     if not isinstance(weights, MoeWeights):
         raise error("weights", f"expected fp4moe.MoeWeights, got {type(weights).__name__}")
-    if weights._device[0] != "cuda":
-        return 0
+    if shared_expert is not None and not isinstance(shared_expert, MoeWeights):
+        raise error("shared_expert", f"expected fp4moe.MoeWeights, got {type(shared_expert).__name__}")
+    # The arguments' types and names are checked on every backend; their ranges by the CUDA plan.
+    T, k = as_int(num_tokens, "num_tokens"), as_int(top_k, "top_k")
+    e_total, groups = as_int(num_experts_total, "num_experts_total"), as_int(n_group, "n_group")
+    rank, budget = as_int(max_lora_rank, "max_lora_rank"), as_int(workspace_budget, "workspace_budget")
+    tile = as_int(gemm_tile, "gemm_tile")
     if activation is None:
         activation = weights.activation if weights.activation is not None else ActivationType.Swiglu
     act = parse_enum(ActivationType, activation, "activation")
-    shape = {"T": int(num_tokens), "H": weights.hidden, "I": weights.inter, "E_loc": weights.num_experts,
-             "E_total": int(num_experts_total), "k": int(top_k), "gated": weights.gated, "activation": int(act),
-             "mode": int(parse_enum(ActMode, mode, "mode", MODE_ALIASES)), "format": int(weights.format),
-             "routing_from_logits": bool(routing_from_logits), "n_group": int(n_group),
-             "has_shared": shared_expert is not None,
-             "shared_I": 0 if shared_expert is None else shared_expert.inter,
-             "has_lora": int(max_lora_rank) > 0, "max_lora_rank": int(max_lora_rank),
-             "workspace_budget": int(workspace_budget)}
-    return int(_C.workspace_size(shape))
+    md = parse_enum(ActMode, mode, "mode", MODE_ALIASES)
+    if weights._device[0] != "cuda":
+        return 0
+    try:
+        return int(_C.workspace_size(weights.native, T, k, bool(routing_from_logits), e_total, groups, int(act),
+                                     int(md), None if shared_expert is None else shared_expert.native, rank, budget,
+                                     tile))
+    except Fp4MoeError as e:
+        raise renamed(e, _WORKSPACE_NAMES) from None
+
+
+# workspace_size's ProblemShape fields -> its Python parameters.
+_WORKSPACE_NAMES = {"T": "num_tokens", "H": "weights", "I": "weights", "E_loc": "weights",
+                    "E_total": "num_experts_total", "k": "top_k", "format": "weights", "routing.top_k": "top_k", "routing.n_group": "n_group",
+                    "shared_inter": "shared_expert"}
 
 
 _E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32)
@@ -507,10 +573,15 @@ def dequantize_weights(w1, w1_scale, w1_scale2, w2, w2_scale, w2_scale2, *, scal
     return d1, d2
 
 
+# (alpha, beta, clamp limit) an activation takes when they are not given (SPEC §3.2, docs/api.md).
+_SHARED_DEFAULTS = {ActivationType.SwigluBias: (1.702, 1.0, 7.0), ActivationType.SwigluStep: (1.0, 0.0, 7.0),
+                    ActivationType.Situ: (1.0, 1.0, None)}
+
+
 def _clamp_value(v) -> float:
     if v is None:
         return 0.0  # 0 = no clamp (C++ convention)
-    v = float(v)
+    v = as_float(v, "shared_clamp_limit")
     if math.isinf(v) and v > 0:
         return 0.0
     return v
@@ -528,12 +599,17 @@ def route(routing_logits, *, top_k: int, routing_method, routing_bias=None, n_gr
         logits = logits.detach().cpu()
         if bias is not None and is_torch(bias):
             bias = bias.detach().cpu()
-    k = int(top_k)
-    ids = np.zeros((T, max(k, 0)), dtype=np.int32)
-    w = np.zeros((T, max(k, 0)), dtype=np.float32)
+    k = as_int(top_k, "top_k")
+    n_group, topk_group = as_int(n_group, "n_group"), as_int(topk_group, "topk_group")
+    routed_scaling_factor = as_float(routed_scaling_factor, "routed_scaling_factor")
+    num_experts_total = as_int(num_experts_total, "num_experts_total")
+    if not 1 <= k <= 64:  # before allocating [T, k] outputs; the native check gives the exact bound
+        raise error("top_k", f"expected 1 <= top_k <= min(64, the number of experts), got {k}")
+    ids = np.zeros((T, k), dtype=np.int32)
+    w = np.zeros((T, k), dtype=np.float32)
     _C.route({"routing_logits": as_arg(logits, "routing_logits"), "routing_bias": as_arg(bias, "routing_bias"),
-              "topk_ids_out": ids, "topk_weights_out": w}, int(method), k, int(n_group), int(topk_group),
-             float(routed_scaling_factor), int(num_experts_total) or E)
+              "topk_ids_out": ids, "topk_weights_out": w}, int(method), k, n_group, topk_group,
+             routed_scaling_factor, num_experts_total or E)
     if torch_in:
         import torch
         return torch.from_numpy(ids), torch.from_numpy(w)

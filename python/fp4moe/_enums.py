@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import operator
 
 from ._errors import error
 
@@ -110,6 +111,11 @@ def parse_enum(enum_cls: type[enum.IntEnum], value, argument: str, aliases: dict
                 return m
         names = [m.name for m in enum_cls] + sorted(aliases or ())
         raise error(argument, f"expected one of {names}, got {value!r}")
+    if hasattr(type(value), "__index__") and not isinstance(value, (bytes, bytearray)):  # NumPy / 0-d tensor ints
+        try:
+            return parse_enum(enum_cls, operator.index(value), argument)
+        except TypeError:
+            pass
     # Foreign enums with the same values (e.g. flashinfer's ActivationType) carry .value.
     if hasattr(value, "value") and isinstance(value.value, int):
         return parse_enum(enum_cls, int(value.value), argument)

@@ -64,16 +64,32 @@ class Fp4MoeError(ValueError):
         self.cpp_argument = cpp_argument
 
     def __reduce__(self):  # picklable (multiprocessing workers re-raise it)
-        return (_rebuild, (str(self), int(self.code), self.cpp_argument or self.argument))
+        return (_rebuild, (str(self), int(self.code), self.cpp_argument or self.argument, self.argument))
 
 
-def _rebuild(message: str, code: int, argument: str) -> "Fp4MoeError":
+def _rebuild(message: str, code: int, argument: str, py_argument: str | None = None) -> "Fp4MoeError":
     e = Fp4MoeError.__new__(Fp4MoeError)
     ValueError.__init__(e, message)
     e.code = ErrorCode(code) if code in ErrorCode._value2member_map_ else code
-    e.argument = _CPP_TO_PY_ARGUMENT.get(argument, argument)
+    e.argument = py_argument if py_argument is not None else _CPP_TO_PY_ARGUMENT.get(argument, argument)
     e.cpp_argument = argument
     return e
+
+
+def renamed(e: Fp4MoeError, names: dict) -> Fp4MoeError:
+    """e with its argument renamed by `names` (a C++ field of a call -> the Python parameter it comes from, e.g.
+    prepare_weights' "hidden" -> "w1", whose shape gives it); e itself when its argument is not in `names`."""
+    new = names.get(e.argument)
+    if not new:
+        return e
+    msg = str(e)
+    prefix = f"argument '{e.argument}':"
+    if msg.startswith(prefix):
+        msg = f"argument '{new}':" + msg[len(prefix):]
+    out = Fp4MoeError.__new__(Fp4MoeError)
+    ValueError.__init__(out, msg)
+    out.code, out.argument, out.cpp_argument = e.code, new, e.cpp_argument
+    return out
 
 
 def error(argument: str, what: str, code: ErrorCode = ErrorCode.InvalidArgument) -> Fp4MoeError:

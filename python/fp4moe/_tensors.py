@@ -3,6 +3,8 @@ the framework cannot say the dtype itself (NumPy has no DLPack code for ml_dtype
 float8_e4m3fn; old PyTorch exports float8 poorly), plus allocation helpers."""
 from __future__ import annotations
 
+import math
+import operator
 import sys
 
 import numpy as np
@@ -111,11 +113,43 @@ def to_host_float(x, name: str):
     raise error(name, f"expected a float tensor, got {type(x).__name__}")
 
 
+INT32_RANGE = (-(1 << 31), (1 << 31) - 1)
+INT64_RANGE = (-(1 << 63), (1 << 63) - 1)
+
+
+def as_int(value, name: str, bounds: tuple[int, int] = INT64_RANGE) -> int:
+    """An integer argument: an int, a NumPy integer, anything with __index__, or an integral float; never a bool,
+    a string or a fractional float (which int() would accept or truncate silently). Must fit the native type."""
+    if isinstance(value, (bool, np.bool_)):
+        raise error(name, f"expected an integer, got {value!r}")
+    if isinstance(value, (float, np.floating)) and math.isfinite(value) and float(value).is_integer():
+        v = int(value)
+    else:
+        try:
+            v = operator.index(value)
+        except TypeError:
+            raise error(name, f"expected an integer, got {type(value).__name__} {value!r}") from None
+    lo, hi = bounds
+    if not lo <= v <= hi:
+        raise error(name, f"expected an integer in [{lo}, {hi}], got {v}")
+    return v
+
+
+def as_float(value, name: str) -> float:
+    """A real-number argument (int, float, NumPy scalar, anything with __float__); never a bool or a string."""
+    if isinstance(value, (bool, np.bool_, str, bytes)):
+        raise error(name, f"expected a number, got {value!r}")
+    try:
+        return float(value)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise error(name, f"expected a number, got {type(value).__name__} {value!r} ({e})") from None
+
+
 def per_expert(value, name: str, num_experts: int, device: tuple[str, int]):
     """Per-expert f32 [E_loc] parameters: a scalar is broadcast, a list becomes an array, a tensor passes."""
     if value is None:
         return None
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
+    if isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_)):
         if device[0] == "cpu":
             return np.full((num_experts,), float(value), dtype=np.float32)
         t = _torch()
@@ -124,7 +158,10 @@ def per_expert(value, name: str, num_experts: int, device: tuple[str, int]):
                               f"of shape [{num_experts}]")
         return t.full((num_experts,), float(value), dtype=t.float32, device=f"cuda:{device[1]}")
     if isinstance(value, (list, tuple)):
-        arr = np.asarray(value, dtype=np.float32)
+        try:
+            arr = np.asarray(value, dtype=np.float32)
+        except (TypeError, ValueError, OverflowError) as e:
+            raise error(name, f"expected a list of {num_experts} numbers, got {value!r} ({e})") from None
         if device[0] == "cpu":
             return arr
         t = _torch()

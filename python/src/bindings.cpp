@@ -27,6 +27,7 @@
 #include "fp4moe/plan.h"
 #include "fp4moe/quantize.h"
 #include "fp4moe/types.h"
+#include "runtime/problem_shape.h"
 
 #ifdef FP4MOE_WITH_CUDA
 #include <cuda_runtime_api.h>
@@ -393,32 +394,29 @@ void py_route(const nb::dict& t, int method, int64_t top_k, int64_t n_group, int
   route(r, num_experts_total, ids, w);
 }
 
-// The CUDA backend's workspace size for one call shape (include/fp4moe/plan.h). Keys of `shape` are the
-// ProblemShape fields; unknown keys are refused so that a misspelling is not silently ignored.
-size_t py_workspace_size(const nb::dict& shape) {
-  ProblemShape s;
-  for (auto [k, v] : shape) {
-    const std::string key = nb::cast<std::string>(k);
-    if (key == "T") s.T = nb::cast<int64_t>(v);
-    else if (key == "H") s.H = nb::cast<int64_t>(v);
-    else if (key == "I") s.I = nb::cast<int64_t>(v);
-    else if (key == "E_loc") s.E_loc = nb::cast<int64_t>(v);
-    else if (key == "E_total") s.E_total = nb::cast<int64_t>(v);
-    else if (key == "k") s.k = nb::cast<int64_t>(v);
-    else if (key == "gated") s.gated = nb::cast<bool>(v);
-    else if (key == "activation") s.activation = static_cast<ActivationType>(nb::cast<int>(v));
-    else if (key == "mode") s.mode = static_cast<ActMode>(nb::cast<int>(v));
-    else if (key == "format") s.format = static_cast<WeightFormat>(nb::cast<int>(v));
-    else if (key == "routing_from_logits") s.routing_from_logits = nb::cast<bool>(v);
-    else if (key == "n_group") s.n_group = nb::cast<int64_t>(v);
-    else if (key == "has_shared") s.has_shared = nb::cast<bool>(v);
-    else if (key == "shared_I") s.shared_I = nb::cast<int64_t>(v);
-    else if (key == "has_lora") s.has_lora = nb::cast<bool>(v);
-    else if (key == "max_lora_rank") s.max_lora_rank = nb::cast<int64_t>(v);
-    else if (key == "workspace_budget") s.workspace_budget = nb::cast<int64_t>(v);
-    else bad(key, "unknown field of the problem shape");
-  }
-  return workspace_size(s);
+// The CUDA backend's workspace size for a call on `weights` described by its sizes (fp4moe.workspace_size): a
+// call of shape-only views, through the same problem_shape as moe_run.
+size_t py_workspace_size(const MoeWeights& weights, int64_t T, int64_t top_k, bool routing_from_logits,
+                         int64_t num_experts_total, int64_t n_group, int activation, int mode,
+                         const MoeWeights* shared_expert, int64_t max_lora_rank, int64_t workspace_budget, int gemm_tile) {
+  if (weights.backend() != Backend::CUDA) return 0;
+  MoeArgs a;
+  const int64_t E_total = num_experts_total == 0 ? weights.num_experts() : num_experts_total;
+  a.x = make_view(nullptr, DType::BF16, {T, weights.hidden()});
+  if (routing_from_logits) a.routing.logits = make_view(nullptr, DType::F32, {T, E_total});
+  else a.routing.topk_ids = make_view(nullptr, DType::I32, {T, top_k});
+  a.routing.top_k = top_k;
+  a.routing.method = n_group > 1 ? RoutingMethod::DeepSeekV3 : RoutingMethod::Renormalize;
+  a.routing.n_group = n_group;
+  a.num_experts_total = num_experts_total;
+  a.activation.type = static_cast<ActivationType>(activation);
+  a.mode = static_cast<ActMode>(mode);
+  a.shared_expert = shared_expert;
+  a.workspace_budget = workspace_budget;
+  check_gemm_tile(gemm_tile);
+  a.gemm_tile = gemm_tile;
+  const bool wgmma = gemm_tile >= 0 && kGemmConfigs[gemm_tile].wgmma;
+  return workspace_size(problem_shape(weights.impl(), a, max_lora_rank > 0, max_lora_rank, wgmma));
 }
 
 // A PEFT adapter directory (adapter_config.json + adapter_model.safetensors) -> one MoE layer's expert LoRA
@@ -609,8 +607,10 @@ NB_MODULE(_C, m) {
         nb::arg("topk_group"), nb::arg("routed_scaling_factor"), nb::arg("num_experts_total"));
   m.def("check_device_errors", &check_device_errors, nb::arg("device_id") = 0,
         nb::call_guard<nb::gil_scoped_release>());
-  m.def("workspace_size", &py_workspace_size, nb::arg("shape"),
-        "Bytes of workspace the CUDA backend needs for a call of this shape (ProblemShape fields as a dict).");
+  m.def("workspace_size", &py_workspace_size, nb::arg("weights"), nb::arg("T"), nb::arg("top_k"),
+        nb::arg("routing_from_logits"), nb::arg("num_experts_total"), nb::arg("n_group"), nb::arg("activation"),
+        nb::arg("mode"), nb::arg("shared_expert").none(), nb::arg("max_lora_rank"), nb::arg("workspace_budget"),
+        nb::arg("gemm_tile"), "Bytes of workspace the CUDA backend needs for a call of these sizes.");
   m.def("read_peft_experts_lora", &py_read_peft_experts_lora, nb::arg("dir"), nb::arg("module_prefix"),
         nb::arg("num_experts") = 0, nb::arg("expert_offset") = 0, nb::arg("num_local_experts") = 0);
   m.def("list_peft_expert_modules", [](const std::string& dir) {

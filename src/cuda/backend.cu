@@ -17,6 +17,7 @@
 #include "cuda/kernels.h"
 #include "format/nvfp4_prepared.h"
 #include "fp4moe/plan.h"
+#include "runtime/problem_shape.h"
 
 namespace fp4moe::cuda_backend {
 
@@ -33,6 +34,9 @@ void check_cuda(cudaError_t e, const char* what) {
   if (e == cudaSuccess && g_fail_in.load(std::memory_order_relaxed) >= 0 && g_fail_in.fetch_sub(1) == 0)
     e = cudaErrorLaunchOutOfResources;
   if (e == cudaSuccess) return;
+  // A failed call also sets the thread's last error: cleared here, or the next launch check (cudaGetLastError)
+  // would report this failure again (an allocation failure made the next good call fail).
+  (void)cudaGetLastError();
   const std::string msg = std::string(what) + " failed: " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")";
   if (e == cudaErrorMemoryAllocation) throw Error(ErrorCode::OutOfMemory, "", msg);
   throw Error(ErrorCode::CudaError, "", msg);
@@ -540,26 +544,7 @@ void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& a
   }
 
   const RoutingArgs& ra = args.routing;
-  ProblemShape s;
-  s.T = args.x.shape[0];
-  s.H = w.H;
-  s.I = w.I;
-  s.E_loc = w.E;
-  s.E_total = args.num_experts_total == 0 ? w.E : args.num_experts_total;
-  s.k = ra.top_k;
-  s.gated = w.gated;
-  s.activation = args.activation.type;
-  s.mode = args.mode;
-  s.format = w.format;
-  s.routing_from_logits = ra.logits.present();
-  s.n_group = ra.method == RoutingMethod::DeepSeekV3 ? ra.n_group : 1;
-  s.has_shared = sw != nullptr;
-  s.shared_I = sw ? sw->I : 0;
-  s.has_lora = lora;
-  s.max_lora_rank = lora ? max_rank : 0;
-  s.wgmma = wgmma_supported_on(w.device_id);
-  s.gemm_config = args.gemm_tile;
-  s.workspace_budget = args.workspace_budget;
+  const ProblemShape s = problem_shape(w, args, lora, lora ? max_rank : 0, wgmma_supported_on(w.device_id));
   const MoePlan plan = make_plan(s);
   if (plan.num_chunks == 0) return;
   // lora_shrink1_kernel's grid: a token's items (shrink1_items, as the kernel counts them), the most over the loaded

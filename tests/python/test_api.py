@@ -525,6 +525,51 @@ def test_adapters_peft_fused_against_numpy(order):
     assert not np.array_equal(y[lo].view(np.uint16), ybase[lo].view(np.uint16))
 
 
+def test_registry_of_another_layer_of_the_same_shape_is_refused():
+    """Two layers of one shape with different gate/up orders: B's registry with A's weights would put the gate
+    LoRA on the up half; it is refused naming `adapters`, `out` untouched, and A's own registry still works."""
+    rng = np.random.default_rng(37)
+    qa = quantized(rng, E, H, I, order="gate_first")
+    qb = quantized(rng, E, H, I, order="up_first")
+    wa = fp4moe.prepare_weights(**qa, gate_up_order="gate_first", activation="swiglu")
+    wb = fp4moe.prepare_weights(**qb, gate_up_order="up_first", activation="swiglu")
+    r = 8
+    lora = make_lora(rng, r)
+    reg_a, reg_b = fp4moe.AdapterRegistry(wa, num_slots=2), fp4moe.AdapterRegistry(wb, num_slots=2)
+    reg_a.load(0, lora, rank=r, lora_alpha=float(r))
+    reg_b.load(0, lora, rank=r, lora_alpha=float(r))
+    x = rand_x(rng, T, H)
+    kw = dict(routing_logits=rng.standard_normal((T, E)).astype(np.float32), top_k=K, routing_method="Renormalize",
+              adapter_ids=np.zeros(T, dtype=np.int32))
+    out = np.full((T, H), 7.0, dtype=np.float32).astype(BF16)
+    before = out.view(np.uint16).copy()
+    with pytest.raises(fp4moe.Fp4MoeError) as ei:
+        fp4moe.moe(x, wa, adapters=reg_b, out=out, **kw)
+    assert ei.value.argument == "adapters", str(ei.value)
+    assert np.array_equal(out.view(np.uint16), before)
+    # The same tensors prepared again are other weights too.
+    wa2 = fp4moe.prepare_weights(**qa, gate_up_order="gate_first", activation="swiglu")
+    with pytest.raises(fp4moe.Fp4MoeError) as ei:
+        fp4moe.moe(x, wa2, adapters=reg_a, out=out, **kw)
+    assert ei.value.argument == "adapters"
+    assert np.array_equal(out.view(np.uint16), before)
+    y = fp4moe.moe(x, wa, adapters=reg_a, **kw)
+    assert np.isfinite(y.astype(np.float32)).all()
+
+
+@pytest.mark.parametrize("name, value", [("gemm1_alpha", -1.0), ("gemm1_beta", 0.0), ("gemm1_alpha", [1.0] * 3 + [math.nan]),
+                                         ("gemm1_clamp_limit", -2.0)])
+def test_situ_parameters_given_as_numbers_are_checked(name, value):
+    """Scalars and lists are known on the host, so they are checked there on every backend (SPEC §3.2: Situ α, β > 0)."""
+    rng = np.random.default_rng(41)
+    q = quantized(rng, 4, H, I)
+    w = fp4moe.prepare_weights(**q, gate_up_order="gate_first", activation="situ")
+    with pytest.raises(fp4moe.Fp4MoeError) as ei:
+        fp4moe.moe(rand_x(rng, T, H), w, routing_logits=rng.standard_normal((T, 4)).astype(np.float32), top_k=2,
+                   routing_method="Renormalize", **{name: value})
+    assert ei.value.argument == name, str(ei.value)
+
+
 def test_adapters_zero_b_is_base_and_slots():
     rng = np.random.default_rng(41)
     q = quantized(rng, E, H, I)

@@ -1,6 +1,6 @@
 // `fp4moe bench`: times the CUDA backend on the model shapes of SPEC §1 (docs/api.md, "Benchmarks").
 //
-// Method (/work/.library/device/METHOD.md): the copy and bf16-GEMM ceilings are measured in the same run;
+// Method: the copy and bf16-GEMM ceilings are measured in the same run;
 // each case is one moe_run captured in a CUDA graph (one graph per input set: the sets differ in x and
 // logits, so in routing) and replayed; CUDA events bracket the replay alone. Before every timed replay a
 // read-only pass over a 256 MB buffer (cublasSasum) evicts the weights from the 60 MB L2: a read leaves
@@ -503,29 +503,8 @@ struct ShapeCtx {
   DevMem adapter_ids;
 };
 
-// The call's problem shape; o: the run's format, mode, forced tile and workspace budget (as make_args passes them).
-ProblemShape problem_of(const ShapeCtx& c, int64_t T, bool lora, const Options& o) {
-  ProblemShape s;
-  s.gemm_config = o.gemm_tile;
-  s.workspace_budget = o.workspace_budget;
-  s.wgmma = o.gemm_tile >= 0 && kGemmConfigs[o.gemm_tile].wgmma;  // (the workspace does not depend on it otherwise)
-  s.T = T;
-  s.H = c.shape->H;
-  s.I = c.shape->I;
-  s.E_loc = c.E_loc;
-  s.E_total = c.E_total;
-  s.k = c.shape->k;
-  s.gated = c.gated;
-  s.activation = c.shape->activation;
-  s.mode = o.mode;
-  s.format = o.format;
-  s.routing_from_logits = true;
-  s.n_group = c.shape->routing == RoutingMethod::DeepSeekV3 ? c.shape->n_group : 1;
-  s.has_lora = lora;
-  s.max_lora_rank = 0;  // with has_lora: "unknown", sized for the largest rank (enough whatever the backend assumes)
-  return s;
-}
-
+// The call's arguments; o: the run's format, mode, forced tile and workspace budget. Null buffers give a call of
+// shapes only (workspace_size).
 MoeArgs make_args(const ShapeCtx& c, int64_t T, const void* x, const void* logits, void* y, const DevMem& ws,
                   bool lora, const Options& o, cudaStream_t stream, int dev) {
   const ModelShape& s = *c.shape;
@@ -636,7 +615,7 @@ CaseResult run_case(Device& d, ShapeCtx& c, const Pools& pools, int64_t T, bool 
   // backend ask for more, the call is retried once with twice the size.
   for (int attempt = 0;; ++attempt) {
     try {
-      size_t need = workspace_size(problem_of(c, T, lora, o));
+      size_t need = workspace_size(c.w, make_args(c, T, nullptr, nullptr, nullptr, DevMem(), lora, o, d.stream, d.id));
       if (attempt > 0) need = std::max(need, 2 * ws.bytes());
       if (ws.bytes() < need) {
         ws = DevMem();

@@ -1,0 +1,55 @@
+#include "runtime/problem_shape.h"
+
+#include <algorithm>
+
+#include "runtime/host_tensor.h"
+
+namespace fp4moe {
+namespace {
+bool given(const TensorView& v) { return v.present() || v.ndim > 0; }
+}  // namespace
+
+ProblemShape problem_shape(const PreparedWeights& w, const MoeArgs& a, bool with_lora, int64_t lora_rank, bool wgmma) {
+  const RoutingArgs& r = a.routing;
+  ProblemShape s;
+  s.T = a.x.ndim > 0 ? a.x.shape[0] : 0;
+  s.H = w.H;
+  s.I = w.I;
+  s.E_loc = w.E;
+  s.E_total = a.num_experts_total == 0 ? w.E : a.num_experts_total;
+  s.k = r.top_k;
+  s.gated = w.gated;
+  s.activation = a.activation.type;
+  s.mode = a.mode;
+  s.format = w.format;
+  s.routing_from_logits = given(r.logits) || !given(r.topk_ids);
+  s.n_group = r.method == RoutingMethod::DeepSeekV3 ? r.n_group : 1;
+  s.has_shared = a.shared_expert != nullptr;
+  s.shared_I = a.shared_expert ? a.shared_expert->impl().I : 0;
+  s.has_lora = with_lora || a.adapters != nullptr;
+  s.max_lora_rank = s.has_lora ? lora_rank : 0;
+  s.wgmma = wgmma;
+  s.gemm_config = a.gemm_tile;
+  s.workspace_budget = a.workspace_budget;
+  return s;
+}
+
+int64_t max_loaded_rank(const AdapterSnapshot& adapters) {
+  int64_t r = 1;
+  if (adapters)
+    for (const auto& ad : *adapters)
+      if (ad) r = std::max(r, ad->rank);
+  return r;
+}
+
+size_t workspace_size(const MoeWeights& weights, const MoeArgs& args) {
+  if (!weights.valid()) detail::invalid("weights", "not prepared (call prepare_weights first)");
+  if (weights.backend() != Backend::CUDA) return 0;
+  check_gemm_tile(args.gemm_tile);
+  // Rank unknown (sized for the largest), so that adapters loaded later still fit; a forced wgmma tile is sized
+  // as the device that runs it would.
+  const bool wgmma = args.gemm_tile >= 0 && kGemmConfigs[args.gemm_tile].wgmma;
+  return workspace_size(problem_shape(weights.impl(), args, false, 0, wgmma));
+}
+
+}  // namespace fp4moe

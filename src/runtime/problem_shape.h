@@ -1,0 +1,22 @@
+// The plan's view of one call: the single mapping from (weights, MoeArgs) to ProblemShape, shared by the CUDA
+// backend, `fp4moe bench`, the Python bindings and workspace_size.
+#pragma once
+#include <cstdint>
+
+#include "fp4moe/moe.h"
+#include "fp4moe/plan.h"
+#include "runtime/prepared.h"
+
+namespace fp4moe {
+
+// Tensors count by their shape: a view with a shape and no data describes a tensor for sizing (workspace_size
+// before the buffers exist). lora_rank: the largest adapter rank of the call's registry (0: unknown, sized for
+// the largest); LoRA is on when args.adapters is given or `with_lora` says so. wgmma: the device runs the sm_90a
+// tiles (the workspace does not depend on it).
+ProblemShape problem_shape(const PreparedWeights& weights, const MoeArgs& args, bool with_lora, int64_t lora_rank,
+                           bool wgmma);
+
+// The largest adapter rank loaded in a registry snapshot (1 when none is).
+int64_t max_loaded_rank(const AdapterSnapshot& adapters);
+
+}  // namespace fp4moe
