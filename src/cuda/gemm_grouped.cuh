@@ -298,10 +298,12 @@ __device__ __forceinline__ void tile_epilogue(const typename Epi::Params& p, con
                   a[3] = lora_t0[lr[1]][t + 4];
                   return;
                 }
-                a[0] = dev::lora_t_pair(rr[0].t, rk, k0 + 2 * t);
-                a[1] = dev::lora_t_pair(rr[1].t, rk, k0 + 2 * t);
-                a[2] = dev::lora_t_pair(rr[0].t, rk, k0 + 2 * t + 8);
-                a[3] = dev::lora_t_pair(rr[1].t, rk, k0 + 2 * t + 8);
+                // A row of another slot reads nothing past its own t row (its result is discarded anyway).
+                const int k_0 = rr[0].slot == s ? rk : 0, k_1 = rr[1].slot == s ? rk : 0;
+                a[0] = dev::lora_t_pair(rr[0].t, k_0, k0 + 2 * t);
+                a[1] = dev::lora_t_pair(rr[1].t, k_1, k0 + 2 * t);
+                a[2] = dev::lora_t_pair(rr[0].t, k_0, k0 + 2 * t + 8);
+                a[3] = dev::lora_t_pair(rr[1].t, k_1, k0 + 2 * t + 8);
               },
               [&](int k0, uint32_t b[2]) {
                 b[0] = dev::lora_b_pair(brow, rk, k0 + 2 * t);

@@ -219,7 +219,7 @@ __device__ __forceinline__ void skinny_tile(const GemmProblem& g, const typename
       // the wait one k-block later (StagePipe loads one k-block less ahead); k-blocks in pairs with the odd one
       // after (a pair's second k-block under a condition made ptxas serialize every wgmma: C7513). The chunk sums
       // live in shared memory (two register sets spilled at 128 registers). H200: 1-2.6 % faster than waiting
-      // for each k-block's wgmmas before the next (session8-dev run 6).
+      // for each k-block's wgmmas before the next.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
       const uint64_t desc0 = dev::wgmma_desc_sw128(pipe.sbase());  // stage 0's token rows, k16 step 0
       auto k_block = [&](uint32_t (&w)[4][4]) {
@@ -375,10 +375,12 @@ __device__ __forceinline__ void skinny_tile(const GemmProblem& g, const typename
           if (crk > 16) {
             const uint16_t *ba, *bb;
             b_rows(r, ba, bb);
+            // A token of another slot reads nothing past its own t row (its columns are discarded anyway).
+            const int own_k = rr.slot == s ? crk : 0;
             for (int k0 = 16; k0 < crk; k0 += 16) {
               uint32_t a[4];
               b_step(ba, bb, k0, a);
-              const uint32_t b[2] = {dev::lora_t_pair(rr.t, crk, k0 + 2 * t), dev::lora_t_pair(rr.t, crk, k0 + 2 * t + 8)};
+              const uint32_t b[2] = {dev::lora_t_pair(rr.t, own_k, k0 + 2 * t), dev::lora_t_pair(rr.t, own_k, k0 + 2 * t + 8)};
               dev::mma_bf16_16816(d, a, b);
             }
           }
