@@ -17,30 +17,30 @@ header
 pybuild=$!
 
 step gpu_tests 150 "$BIN/fp4moe_gpu_tests" --gtest_filter="$FILTER"
-grep -E '^\[  (PASSED|FAILED|SKIPPED) |^\[==========\]|^\[  FAILED|^STAT perf' "$OUT/gpu_tests.log" | tee -a "$S"
+grep -E '^\[  (PASSED|FAILED|SKIPPED) |^\[==========\]|^\[  FAILED|^STAT perf' "$LOGS/gpu_tests.log" | tee -a "$S"
 
 # Per-kernel GPU time and instructions of the first (eager) call at T=1 and T=64, kimi_k3_tp8, no LoRA.
 if command -v ncu > /dev/null; then
-  OUT="$OUT" S="$S" BIN="$BIN" t0="$t0" BUDGET="$BUDGET" TOKENS="1 64" BENCH_FLAGS=--no-lora COUNT=8 \
+  LOGS="$LOGS" S="$S" BIN="$BIN" t0="$t0" BUDGET="$BUDGET" TOKENS="1 64" BENCH_FLAGS=--no-lora COUNT=8 \
     bash "$(dirname "$0")/ncu_times.sh" > /dev/null
 fi
 
-step fp4moe_bench 230 "$BIN/fp4moe" bench --json "$OUT/fp4moe.json"
-sed -n '/^| shape/,$p' "$OUT/fp4moe_bench.log" >> "$S"
-grep -E "^ceilings|copy|gemm" "$OUT/fp4moe_bench.log" | head -3 >> "$S"
+step fp4moe_bench 230 "$BIN/fp4moe" bench --json "$LOGS/fp4moe.json"
+sed -n '/^| shape/,$p' "$LOGS/fp4moe_bench.log" >> "$S"
+grep -E "^ceilings|copy|gemm" "$LOGS/fp4moe_bench.log" | head -3 >> "$S"
 FP=""
-[ -s "$OUT/fp4moe.json" ] && FP="--fp4moe $OUT/fp4moe.json --ratio $OUT/ratio.md"
-step torch_baseline 170 python3 bench/torch_baseline.py --json "$OUT/torch.json" $FP
-grep -E "^ceilings|error|Error" "$OUT/torch_baseline.log" | head -5 >> "$S"
-[ -s "$OUT/ratio.md" ] && cat "$OUT/ratio.md" >> "$S"
-if [ -s "$OUT/fp4moe.json" ]; then
+[ -s "$LOGS/fp4moe.json" ] && FP="--fp4moe $LOGS/fp4moe.json --ratio $LOGS/ratio.md"
+step torch_baseline 170 python3 bench/torch_baseline.py --json "$LOGS/torch.json" $FP
+grep -E "^ceilings|error|Error" "$LOGS/torch_baseline.log" | head -5 >> "$S"
+[ -s "$LOGS/ratio.md" ] && cat "$LOGS/ratio.md" >> "$S"
+if [ -s "$LOGS/fp4moe.json" ]; then
   TB=""
-  [ -s "$OUT/torch.json" ] && TB="--torch $OUT/torch.json"
-  python3 bench/plot.py "$OUT/fp4moe.json" $TB --out "$OUT/plots" > "$OUT/plot.log" 2>&1
-  say "== plots rc=$?: $(ls "$OUT/plots" 2>/dev/null | tr '\n' ' ')"
+  [ -s "$LOGS/torch.json" ] && TB="--torch $LOGS/torch.json"
+  python3 bench/plot.py "$LOGS/fp4moe.json" $TB --out "$LOGS/plots" > "$LOGS/plot.log" 2>&1
+  say "== plots rc=$?: $(ls "$LOGS/plots" 2>/dev/null | tr '\n' ' ')"
 fi
-OUT="$OUT/variants" S="$S" BIN="$BIN" t0="$t0" BUDGET="$BUDGET" bash "$(dirname "$0")/variant_bench.sh" > /dev/null
-(cd "$OUT" && tar -cf plots.tar $(ls -d plots variants 2>/dev/null) && rm -rf plots variants)
+LOGS="$LOGS/variants" S="$S" BIN="$BIN" t0="$t0" BUDGET="$BUDGET" bash "$(dirname "$0")/variant_bench.sh" > /dev/null
+(cd "$LOGS" && tar -cf plots.tar $(ls -d plots variants 2>/dev/null) && rm -rf plots variants)
 
 wait $pybuild
 tail -1 /tmp/py-build.log | tee -a "$S"
@@ -48,8 +48,8 @@ if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
   export_nccl_library
   FP4MOE_BUILD_DIR=$PWD/build-py step pytest_distributed 60 python3 -m pytest -q -rs -p no:cacheprovider \
     tests/python/test_distributed.py
-  tail -4 "$OUT/pytest_distributed.log" | tee -a "$S"
+  tail -4 "$LOGS/pytest_distributed.log" | tee -a "$S"
 fi
 say "== total $(( $(date +%s) - t0 )) s"
-find "$OUT" -maxdepth 1 -type f ! -name '0-summary.log' ! -name gpu_tests.log ! -name fp4moe.json \
+find "$LOGS" -maxdepth 1 -type f ! -name '0-summary.log' ! -name gpu_tests.log ! -name fp4moe.json \
   ! -name fp4moe_bench.log ! -name torch.json ! -name ratio.md ! -name torch_baseline.log ! -name plots.tar -delete

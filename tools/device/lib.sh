@@ -1,15 +1,15 @@
 # Helpers shared by the device scripts (sourced): a summary log $S, a time budget $BUDGET counted from $t0, and
-# step NAME CAP CMD... which runs CMD for at most min(CAP, time left) seconds with its output in $OUT/NAME.log.
-# Sourcing also sets what the scripts share, unless the caller set it first: OUT (default ./<script>-out, created),
+# step NAME CAP CMD... which runs CMD for at most min(CAP, time left) seconds with its output in $LOGS/NAME.log.
+# Sourcing also sets what the scripts share, unless the caller set it first: LOGS (the first argument, default ./<script>-out, created),
 # BIN (carried binaries, default build-dev), FILTER (gtest filter, default *), BUDGET (540 s), t0 (now) and
-# S ($OUT/0-summary.log).
-OUT=${OUT:-$PWD/$(basename "$0" .sh)-out}
-mkdir -p "$OUT"
+# S ($LOGS/0-summary.log).
+LOGS=${1:-${LOGS:-$PWD/$(basename "$0" .sh)-out}}
+mkdir -p "$LOGS"
 BIN=${BIN:-build-dev}
 FILTER=${FILTER:-*}
 BUDGET=${BUDGET:-540}
 t0=${t0:-$(date +%s)}
-S=${S:-$OUT/0-summary.log}
+S=${S:-$LOGS/0-summary.log}
 say() { echo "$*" | tee -a "$S"; }
 left() { echo $(( BUDGET - ($(date +%s) - t0) )); }
 step() {
@@ -17,7 +17,7 @@ step() {
   local l; l=$(left); [ "$l" -lt "$cap" ] && cap=$l
   if [ "$cap" -le 5 ]; then say "== $name: skipped (no time left)"; return 124; fi
   local s=$(date +%s)
-  timeout -s KILL "$cap" "$@" > "$OUT/$name.log" 2>&1
+  timeout -s KILL "$cap" "$@" > "$LOGS/$name.log" 2>&1
   local rc=$?
   say "== $name: rc=$rc in $(( $(date +%s) - s )) s (cap $cap s)"
   return $rc

@@ -7,7 +7,7 @@
 #   8 GPUs: --world 8 --shapes kimi_k3,deepseek_v3_ep8 --kimi-experts 384
 #                                                       TP=8: kimi I = 3072, 384 a rank; EP=8: deepseek_v3's 256
 #                                                       experts, 32 a rank
-# Output in $OUT: 0-summary.log, check_1.log / check_2.log, parallel_check_1.json / parallel_check_2.json.
+# Output in $LOGS: 0-summary.log, check_1.log / check_2.log, parallel_check_1.json / parallel_check_2.json.
 set -u
 BUDGET=${BUDGET:-560}
 . "$(dirname "$0")/lib.sh"
@@ -24,10 +24,10 @@ export_nccl_library
 say "world $W: fp4moe_parallel_check $ARGS; FP4MOE_NCCL_LIBRARY=${FP4MOE_NCCL_LIBRARY:-(loader path)}"
 cap=$(( (BUDGET - 20) / 2 ))
 for i in 1 2; do
-  step check_$i "$cap" "$BIN/fp4moe_parallel_check" $ARGS --timeout $(( cap - 10 )) --json "$OUT/parallel_check_$i.json"
-  grep -E "^(PASS|FAIL|ALL|SOME)|error|killing" "$OUT/check_$i.log" | tee -a "$S"
+  step check_$i "$cap" "$BIN/fp4moe_parallel_check" $ARGS --timeout $(( cap - 10 )) --json "$LOGS/parallel_check_$i.json"
+  grep -E "^(PASS|FAIL|ALL|SOME)|error|killing" "$LOGS/check_$i.log" | tee -a "$S"
 done
-python3 - "$OUT/parallel_check_1.json" "$OUT/parallel_check_2.json" << 'PY' 2>&1 | tee -a "$S"
+python3 - "$LOGS/parallel_check_1.json" "$LOGS/parallel_check_2.json" << 'PY' 2>&1 | tee -a "$S"
 import json, sys
 try:
     a, b = (json.load(open(p)) for p in sys.argv[1:3])

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Per-kernel times of one eager call (kind nvidia-h200): ncu's gpu__time_duration and instruction count for
 # every kernel of the first moe_run of `fp4moe bench` on SHAPE at each T in TOKENS, with BENCH_FLAGS (default
-# --lora-only: the LoRA case; --no-lora for the base case). Writes ncu_<T>.txt (one line per kernel) under $OUT.
+# --lora-only: the LoRA case; --no-lora for the base case). Writes ncu_<T>.txt (one line per kernel) under $LOGS.
 set -u
 TOKENS=${TOKENS:-64 1024}
 SHAPE=${SHAPE:-kimi_k3_tp8}
@@ -17,6 +17,6 @@ for T in $TOKENS; do
     "$BIN/fp4moe" bench --shapes "$SHAPE" --tokens "$T" $BENCH_FLAGS --sets 1 --runs 1 --max-runs 1 --min-time 0
   say "-- T=$T"
   awk '/^  [a-z_]+.*\(/ {name=$1} /gpu__time_duration.sum/ {d=$(NF-1) " " $NF} /smsp__inst_executed.sum/ {printf "%-32s %14s %16s instr\n", name, d, $NF}' \
-    "$OUT/ncu_$T.log" | tee -a "$S"
+    "$LOGS/ncu_$T.log" | tee -a "$S"
 done
 say "== total $(( $(date +%s) - t0 )) s"

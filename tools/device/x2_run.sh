@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # One call on a 2xH200 machine (nvidia-h200-x2) that does three jobs in sequence, each in its own folder of
-# $OUT: perf/ — the single-GPU tests and `fp4moe bench --quick` (tools/device/perf_run.sh) on GPU 0;
+# $LOGS: perf/ — the single-GPU tests and `fp4moe bench --quick` (tools/device/perf_run.sh) on GPU 0;
 # mgpu/ — the two-GPU TP/EP check and the Python distributed test (tools/device/multi_gpu_run.sh); pkg/ — with
 # the Python extension that multi_gpu_run.sh built: the package load time, the torch op / HF tests, and the
 # multi-architecture wheel (built in the background from the start) with its METADATA.json.
 # At most 8 files come back from a call: the scripts' extra logs are removed at the end.
 set -u
-ROOT=$OUT
+ROOT=$LOGS
 mkdir -p "$ROOT/perf" "$ROOT/mgpu" "$ROOT/pkg"
 export PATH=/usr/local/cuda/bin:$PATH
 P="$ROOT/pkg/pkg.log"
@@ -18,8 +18,8 @@ t0=$(date +%s)
   echo "multi-arch wheel: rc=$? in $(( $(date +%s) - s )) s" > /tmp/wheel-status.log ) &
 wheel=$!
 
-OUT="$ROOT/perf" BUDGET=${PERF_BUDGET:-190} bash tools/device/perf_run.sh > /dev/null 2>&1
-CUDA_VISIBLE_DEVICES=0,1 OUT="$ROOT/mgpu" BUDGET=${MGPU_BUDGET:-300} bash tools/device/multi_gpu_run.sh > /dev/null 2>&1
+LOGS="$ROOT/perf" BUDGET=${PERF_BUDGET:-190} bash tools/device/perf_run.sh > /dev/null 2>&1
+CUDA_VISIBLE_DEVICES=0,1 LOGS="$ROOT/mgpu" BUDGET=${MGPU_BUDGET:-300} bash tools/device/multi_gpu_run.sh > /dev/null 2>&1
 
 {
   echo "# package checks on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%FT%TZ)"
