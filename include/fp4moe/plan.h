@@ -140,16 +140,13 @@ struct MoePlan {
 };
 
 constexpr size_t kWorkspaceAlign = 256;
-// The token rows a band of m tiles reads (MoePlan::m_band1/2): a sixth of the H200's 50 MB L2, the rest for the
-// weight tiles in flight and the outputs going by. H200 session 12 r6, bands of 8 / 32 / 64 MB against 16: 0.97-1.00
-// / 1.00-1.03 / 1.00-1.11 of the time (T = 4096, 16384; five shapes). Bands only where the GEMM's token source
-// (x for GEMM1, a for GEMM2) is above kBandMinSourceBytes; below it fits in L2 with room.
+// The token rows a band of m tiles reads (MoePlan::m_band1/2): a small part of the L2, the rest for the weight tiles
+// in flight and the outputs going by (measured: bench/NOTES.md, "Plan choices"). Bands only where the GEMM's token
+// source (x for GEMM1, a for GEMM2) is above kBandMinSourceBytes; below it fits in L2 with room.
 constexpr int64_t kBandTokenBytes = int64_t(8) << 20;
 constexpr int64_t kBandMinSourceBytes = int64_t(32) << 20;
 // 4 GiB: a 16384-token batch of kimi_k3_tp8 (1.98 GB), qwen3_30b_a3b or mixtral_8x7b in one chunk, deepseek_v3_ep8
-// in two. The chunk's rows an expert set how full the GEMM tiles run: H200, 512 MiB -> 2 GiB (session 12 r2):
-// kimi_k3_tp8 T=16384 6202 -> 5257 us, deepseek_v3_ep8 7117 -> 5636 (8 GiB: 5380), qwen3_30b_a3b 5304 -> 5150,
-// mixtral_8x7b 36.6 -> 37.7 ms (one chunk of 134 MB of x no longer stays in L2).
+// in two. Larger chunks fill the GEMM tiles with more rows per expert.
 constexpr int64_t kDefaultWorkspaceBudget = int64_t(4) << 30;
 // Limits of this backend (beyond them: Error Unsupported naming the argument).
 constexpr int64_t kMaxTopK = 64;
@@ -162,11 +159,9 @@ constexpr int64_t kMaxTokens = int64_t(1) << 30;
 constexpr int64_t kMaxHidden = int64_t(1) << 20;  // H, I: keeps every per-row index inside int32
 constexpr int64_t kMaxLoraRank = 64;              // an adapter's r (SPEC §5)
 
-// The canonical K order of the GEMMs (src/cuda/gemm_mainloop.cuh): chains over chunks of kKChunk, chunk sums
-// added in order. Split-K splits a grid smaller than kSplitTargetBlocks blocks (four per SM of an H200) towards
-// twice that many (plan.cpp): against a target of two per SM, kimi_k3_tp8 T=1 41.8 -> 40.3 us, T=8 98.5 -> 96.4
-// (bench/results/2026-11-30-h200-session5-dev run 8); splitting towards 2 x 528 instead of 528, kimi T=8 85.6 ->
-// 79.9 us (session7-dev run 4).
+// The canonical K order of the GEMMs (docs/numerics.md): chains over chunks of kKChunk, chunk sums added in order.
+// Split-K splits a grid smaller than kSplitTargetBlocks blocks (four per SM of an H200) towards twice that many
+// (plan.cpp).
 constexpr int64_t kKChunk = 512;
 constexpr int64_t kSplitTargetBlocks = 528;
 // A chunk of at most this many (token, slot) entries is permuted by one kernel of one block (count, scan and
@@ -181,10 +176,8 @@ inline constexpr GemmConfig kGemmConfigs[kNumGemmConfigs] = {
     {64, 128, 64, 2, 4, 3},        // more rows an expert (a 128-row tile ran 1 block an SM at 244 registers: slower)
     // sm_90a: two warpgroups, each 64 weight rows (register A) x the 64 tokens (shared B) with wgmma; two blocks an SM.
     {64, 128, 64, 1, 8, 4, true, true},
-    // sm_90a, forced only (plan.cpp: since the tile bands tile 3 is as fast): 128 tokens a wgmma (half the decode a
-    // FLOP of the tile above), producer warps for the copies, one persistent block an SM (the registers: 64
-    // accumulators a thread; the chunk sums: 64 KB). (Without producer warps it was 8-31 % slower than tile 3: session
-    // 8 runs 3, 5.)
+    // sm_90a, forced only (plan.cpp): 128 tokens a wgmma (half the decode a FLOP of the tile above), producer warps
+    // for the copies, one persistent block an SM (64 accumulators a thread; the chunk sums: 64 KB).
     {128, 128, 64, 1, 8, 6, true, true, true, 4},
 };
 // The producer warps of a tile with GemmConfig::producer (two: one warp's copy issue, 32 cp.async a lane and

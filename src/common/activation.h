@@ -74,8 +74,8 @@ struct SwigluStep {
 };
 // SiTU's float math without branches. In the GEMM1 epilogue the library tanhf / expf / IEEE division each
 // branch (range cases, the division's slow path), so the compiler runs a thread's activations one after the
-// other; SiTU (two tanh, three divisions) then cost 3.6-4.2 % of kimi_k3_tp8 at T = 64 and 1024 over SwiGLU
-// (H200, bench/results/2026-11-30-h200-session5-verify). These forms are within ~2e-6 relative of the exact
+// other; SiTU (two tanh, three divisions) then cost 3.6-4.2 % of kimi_k3_tp8 at T = 64 and 1024 over SwiGLU on
+// the H200. These forms are within ~2e-6 relative of the exact
 // functions (tests/cpp/test_activation.cpp, SituFastFloatMath: against double), far below the bf16 rounding of a.
 // double (the oracle) keeps the library functions.
 #if defined(__CUDA_ARCH__)

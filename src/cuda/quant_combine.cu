@@ -30,7 +30,7 @@ __device__ __forceinline__ void quantize_block(const QuantizeParams& p, int row,
 
 // A given encode scale (x with the per-tensor input_scale, a with the FC2 input scale): one thread per
 // 16-element block across all rows. (One block per row left 104 of 128 threads idle on a row of I = 384: A4
-// cost kimi_k3_tp8 +13-15 % over A16 at T >= 1024, bench/results/2026-11-30-h200-session5-verify.)
+// cost kimi_k3_tp8 +13-15 % over A16 at T >= 1024.)
 __global__ void quantize_blocks_kernel(QuantizeParams p) {
   dev::pdl_wait();
   dev::pdl_launch_dependents();

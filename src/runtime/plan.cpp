@@ -108,34 +108,15 @@ MoePlan make_plan(const ProblemShape& shape) {
   p.perm_blocks = ceil_div(p.rows, p.perm_entries);
   p.perm_smem = static_cast<size_t>(s.E_loc * 4);
 
-  // GEMM tile: by the expected rows per expert (any choice gives the same bits: every tile follows the same
-  // K order, split or not, so the choice may depend on T without breaking batch invariance). The 32-row
-  // weights-as-A tile (bulk-copied weights, six stages) beat the 64-row tile up to 512 rows an expert on the H200
-  // (session7-dev run 5: qwen3 T=1024 586 -> 526 us, kimi T=4096 1979 -> 1803, T=16384 7822 -> 7288,
-  // deepseek_v3_ep8 T=16384 10438 -> 8649; qwen3 T=4096 and mixtral unchanged); above, the 64-row tile.
+  // GEMM tile: by the expected rows per expert. Any choice gives the same bits (every tile follows the same K
+  // order), so it may depend on T without breaking batch invariance. Measurements behind each threshold:
+  // bench/NOTES.md, "Plan choices".
   const int64_t avg_rows = ceil_div(p.rows, s.E_loc);
-  // sm_90a: the wgmma tile (config 3) from 32 expected rows a local expert (rows / E_total: under EP a rank's
-  // experts see rows * E_loc / E_total of them) on. H200, tile 3 against tile 1 (session8-dev runs 3, 5): faster at
-  // 32 (deepseek_v3_ep8 T=1024 580 vs 680 us; qwen3 T=512 308 vs 317), 43 (kimi T=2048 944 vs 1018) and above;
-  // slower at 21 (kimi T=1024 752 vs 593) and 16 (deepseek T=512 545 vs 418); 0.70-0.72 of the 64-row tile's time
-  // on mixtral_8x7b T >= 1024.
-  // With LoRA the wgmma tile's epilogue (one 16-row group a warp, eight token groups in turn; its cost an output
-  // is fixed, so it weighs most where GEMM2's K = I is short) loses to the 32-row tile on thin experts (session8
-  // run 7, eight rank-16 adapters, tile 1 / tile 3 time: kimi_k3_tp8 (I = 384) 0.94 at T = 4096 and 16384,
-  // qwen3_30b_a3b_tp4 (I = 192) 0.85-0.94, qwen3_30b_a3b (I = 768) 0.94 at T=1024, 1.03 at 4096 and 16384) and
-  // wins on wide ones (deepseek_v3_ep8, I = 2048: 1.04-1.10; gpt_oss_120b, I = 2880: 0.96 at T=1024, 1.10-1.14
-  // above; mixtral_8x7b T=256: 1219 us with tile 1 in final-7, 1072 with tile 3 in final-8). The bits are the same.
-  // Since the larger chunks (4 GiB) and the tile bands the wgmma tile wins with LoRA on thin experts too from 80
-  // expected rows an expert on (session 12 r7, tile 3 / tile 1: kimi_k3_tp8 1.19 at 21 rows (T=1024), 0.91 at 85,
-  // 0.83 at 341; qwen3_30b_a3b 1.00 at 64, 0.80 at 256, 0.79 at 1024; qwen3_30b_a3b_tp4 1.15 at 64, 0.88 at 256 and
-  // 1024).
+  // sm_90a: the wgmma tile from 32 expected rows a local expert (rows / E_total under EP); with LoRA on thin
+  // experts (I <= 768) from 80, below which its per-adapter epilogue passes cost more than its wider MMA saves.
   const bool lora_thin = s.has_lora && s.I <= 768 && p.rows < 80 * s.E_total;
-  // Tile 4 (128 tokens, producer warps, one persistent block an SM) is not chosen: since the tile bands (tile_of)
-  // tile 3 is as fast or faster on every shape (H200 session 12 r4, tile 4 / tile 3: mixtral_8x7b 1.12 / 1.02 / 1.00
-  // at T = 1024 / 4096 / 16384, kimi_k3_tp8 1.04-1.05, deepseek_v3_ep8 1.03-1.10, qwen3_30b_a3b 1.10-1.26,
-  // gpt_oss_120b 1.11-1.20 at T >= 4096; with eight adapters 1.06-1.39). Before the bands it won on mixtral_8x7b at
-  // T >= 4096 (session 11 r6: 0.996 / 0.974), where token rows no longer in L2 slowed tile 3 (64 tokens a tile:
-  // twice the token-row reads) more. It stays for MoeArgs::gemm_tile (the tests force it: same bits).
+  // The 128-token producer-warp tile is never chosen (with the tile bands the 64-token wgmma tile is as fast);
+  // MoeArgs::gemm_tile can still force it.
   auto choose = [&](bool wgmma) {
     if (wgmma && p.rows >= 32 * s.E_total && !lora_thin) return 3;
     return avg_rows <= 6 ? 0 : (avg_rows <= 512 ? 1 : 2);
@@ -152,11 +133,8 @@ MoePlan make_plan(const ProblemShape& shape) {
     return p.rows == 0 ? 0 : ceil_div(p.rows, c.bm) + std::min<int64_t>(s.E_loc, p.rows);
   };
   p.max_m_tiles = m_tiles_of(g);
-  // Without bands a grid's m tiles run n tile by n tile, and once a chunk's token rows outgrow the L2 every n tile
-  // reads them from HBM again (kimi_k3_tp8 at T=16384: x is 117 MB, gathered into 940 MB of GEMM1 rows, six n
-  // tiles). H200, bands (of 16 MB) against one band (session 12 r3, 4 GiB budget): T=16384 mixtral_8x7b 36.9 -> 33.1
-  // ms, gpt_oss_120b 11.9 -> 10.9, deepseek_v3_ep8 5.71 -> 5.38, kimi_k3_tp8 5.19 -> 5.05, qwen3_30b_a3b 5.08 -> 4.92.
-  // Where the GEMM's token source (x for GEMM1, a for GEMM2) fits in L2 with room, one band (the order before).
+  // Bands of m tiles: without them a chunk whose token rows outgrow the L2 reads them from HBM again for every n
+  // tile. Where the GEMM's token source (x for GEMM1, a for GEMM2) fits in L2 with room, one band.
   auto band_of = [&](int64_t source_rows, int64_t K, int64_t n_tiles) {
     if (p.max_m_tiles * n_tiles > 0x7fffffff || source_rows * K * 2 <= kBandMinSourceBytes) return 0;
     const int64_t band = kBandTokenBytes / (g.bm * K * 2);
@@ -171,9 +149,8 @@ MoePlan make_plan(const ProblemShape& shape) {
     p.shared_k2_pad = round_up(s.shared_I, g.bk);
   }
   // Split-K: mma.sync weights-as-A tiles on a grid below kSplitTargetBlocks, when the one-block permutation (which
-  // zeroes the counters) runs, split towards twice that many blocks (H200, kimi_k3_tp8 T=8: 432 planned blocks
-  // split 2 -> 3 took 85.6 -> 79.9 us; grids at or above the target stay whole: splitting qwen3 T=8's 864 blocks
-  // in two took 68.7 -> 78.4 us). Whole chunks per block; no block without a chunk.
+  // zeroes the counters) runs, split towards twice that many blocks; larger grids stay whole (splitting them was
+  // slower). Whole chunks per block; no block without a chunk.
   int64_t partial_floats = 0, counters = 0;
   auto split_of = [&](const GemmConfig& c, int64_t m_tiles, int64_t n_tiles, int64_t k_pad) {
     const int64_t blocks = m_tiles * n_tiles, chunks = ceil_div(k_pad, kKChunk);
@@ -243,9 +220,8 @@ MoePlan make_plan(const ProblemShape& shape) {
     // The per-token / per-row shrinks (src/cuda/lora.cu): with few entries (decode) an item of 4 rank rows and a
     // warp a K chunk of H (4..16 warps), spreading a token's A rows over many SMs; with more, 16 rows an item (one
     // read of x serves 16 A rows, fewer blocks) and 4 warps a block.
-    // A decode row's shrink2 (K = I) likewise: 4 rank rows an item while I has few chunks, else 16 (mixtral_8x7b's
-    // I = 14336, 28 chunks, in four 4-row items on four warps made its T=1 LoRA 133 -> 179 us, closing run), and a
-    // warp a (chunk, item) unit, 4..16 warps.
+    // A decode row's shrink2 (K = I) likewise: 4 rank rows an item while I has few chunks, else 16 (long K in small
+    // items spreads too thin), and a warp a (chunk, item) unit, 4..16 warps.
     const bool few = p.rows <= 64;
     const int64_t chunks2 = ceil_div(s.I, kKChunk);
     p.lora_shrink1_rows_per_item = few ? 4 : 16;
@@ -253,10 +229,8 @@ MoePlan make_plan(const ProblemShape& shape) {
     p.lora_shrink1_threads = few ? static_cast<int>(32 * std::clamp<int64_t>(ceil_div(s.H, kKChunk), 4, 16)) : 128;
     p.lora_shrink2_threads =
         few ? static_cast<int>(32 * std::clamp<int64_t>(chunks2 * (16 / p.lora_shrink2_rows_per_item), 4, 16)) : 128;
-    // The tiled routed shrinks where they measured faster (H200, eight rank-16 adapters, final-5 against final-4):
-    // at least 20 rows an expert and 300 row tiles expected, counting only this rank's share of the rows under EP.
-    // Few tiles leave too few warps for the tiled kernel: mixtral_8x7b T=256 (16 tiles) +17 %, deepseek_v3_ep8
-    // (local rows = T) +4..+7 %; with many, kimi_k3_tp8 T=1024..16384 -5..-9 %, qwen3 T=4096+ -5 %.
+    // The tiled routed shrinks where they measured faster: at least 20 rows an expert and 300 row tiles expected,
+    // counting only this rank's share of the rows under EP (few tiles leave the tiled kernel too few warps).
     const int64_t local_rows = ceil_div(p.rows * s.E_loc, s.E_total);
     p.lora_shrink_tiled = ceil_div(local_rows, s.E_loc) >= 20 && ceil_div(local_rows, g.bm) + s.E_loc >= 300;
     p.lora_slot = L.take(Tc * 4);
