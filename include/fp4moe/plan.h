@@ -55,9 +55,6 @@ struct GemmConfig {
   bool weights_as_a = false;        // src/cuda/gemm_skinny.cuh: weights as the mma A operand, bn / warps_n rows a warp
   bool wgmma = false;               // the sm_90a warpgroup MMA (src/cuda/wgmma.cuh): ProblemShape::wgmma devices only;
                                     // its chunk sums live in shared memory (src/cuda/gemm_skinny.cuh)
-  bool producer = false;            // producer warps issue the copies (src/cuda/gemm_mainloop.cuh WsPipe): the block
-                                    // has threads() math threads and kProducerThreads more
-  int bf16_stages = 0;              // bf16 weights' pipeline depth when not `stages` (their stages are 3.6x larger)
   constexpr int threads() const { return 32 * warps_m * warps_n; }
 };
 
@@ -169,21 +166,17 @@ constexpr int64_t kSplitTargetBlocks = 528;
 // warp's serial walk: at 1024 entries 32 steps.)
 constexpr int64_t kOneBlockPermEntries = 1024;
 
-constexpr int kNumGemmConfigs = 5;
+constexpr int kNumGemmConfigs = 4;
 inline constexpr GemmConfig kGemmConfigs[kNumGemmConfigs] = {
     {8, 128, 64, 1, 4, 8, true},   // decode: <= 8 rows per expert tile, 32 weight rows a warp, many bytes in flight
     {32, 128, 64, 1, 4, 6, true},  // up to 512 rows an expert (plan.cpp), in tiles of <= 32 rows
     {64, 128, 64, 2, 4, 3},        // more rows an expert (a 128-row tile ran 1 block an SM at 244 registers: slower)
     // sm_90a: two warpgroups, each 64 weight rows (register A) x the 64 tokens (shared B) with wgmma; two blocks an SM.
     {64, 128, 64, 1, 8, 4, true, true},
-    // sm_90a, forced only (plan.cpp): 128 tokens a wgmma (half the decode a FLOP of the tile above), producer warps
-    // for the copies, one persistent block an SM (64 accumulators a thread; the chunk sums: 64 KB).
-    {128, 128, 64, 1, 8, 6, true, true, true, 4},
+    // (A 128-token wgmma tile with producer warps and one persistent block an SM was retired: with the tile bands
+    // it was never faster than the one above; it is in git history up to revision 1ee7f89.)
 };
-// The producer warps of a tile with GemmConfig::producer (two: one warp's copy issue, 32 cp.async a lane and
-// k-block for 128 tokens, would be most of its issue slots).
-constexpr int kProducerThreads = 64;
-constexpr int gemm_stages(const GemmConfig& g, bool fp4) { return fp4 || g.bf16_stages == 0 ? g.stages : g.bf16_stages; }
+constexpr int gemm_stages(const GemmConfig& g, bool) { return g.stages; }
 // The stage bytes of a tile (tokens, weights, their scales) and its dynamic shared memory: a wgmma tile's stages
 // start 1024-byte aligned (the 128-byte swizzle's atom), with 1 KB to align the base (src/cuda/gemm_mainloop.cuh).
 constexpr int64_t gemm_stage_bytes(const GemmConfig& g, bool fp4) {

@@ -17,18 +17,15 @@
 namespace fp4moe::cuda_backend {
 
 // WEIGHTS_AS_A: the block tile of gemm_skinny.cuh (same stages, tokens as the mma B operand); WGMMA: its sm_90a
-// form (wgmma.cuh), stages 1024-byte aligned; PRODUCER: the copies are producer warps' of their own (the block has
-// THREADS math threads and PRODUCER_THREADS more; WsPipe).
+// form (wgmma.cuh), stages 1024-byte aligned.
 template <int BM_, int BN_, int WARPS_M_, int WARPS_N_, int STAGES_, bool FP4_, bool WEIGHTS_AS_A_ = false,
-          bool WGMMA_ = false, bool PRODUCER_ = false>
+          bool WGMMA_ = false>
 struct TileConfig {
   static constexpr int BM = BM_, BN = BN_, BK = 64, WARPS_M = WARPS_M_, WARPS_N = WARPS_N_, STAGES = STAGES_;
-  static constexpr bool FP4 = FP4_, WEIGHTS_AS_A = WEIGHTS_AS_A_, WGMMA = WGMMA_, PRODUCER = PRODUCER_;
-  // plan.h's view (this instantiation's format: bf16_stages = STAGES).
-  static constexpr GemmConfig kPlan{BM, BN, BK, WARPS_M, WARPS_N, STAGES, WEIGHTS_AS_A, WGMMA, PRODUCER, STAGES};
-  static constexpr int THREADS = 32 * WARPS_M * WARPS_N;                 // the math threads
-  static constexpr int PRODUCER_THREADS = PRODUCER ? static_cast<int>(kProducerThreads) : 0;
-  static constexpr int BLOCK_THREADS = THREADS + PRODUCER_THREADS;
+  static constexpr bool FP4 = FP4_, WEIGHTS_AS_A = WEIGHTS_AS_A_, WGMMA = WGMMA_;
+  static constexpr GemmConfig kPlan{BM, BN, BK, WARPS_M, WARPS_N, STAGES, WEIGHTS_AS_A, WGMMA};  // plan.h's view
+  static constexpr int THREADS = 32 * WARPS_M * WARPS_N;
+  static constexpr int BLOCK_THREADS = THREADS;
   static constexpr int WTM = BM / WARPS_M, WTN = BN / WARPS_N;  // warp tile
   static constexpr int MT = WTM / 16, NT = WTN / 8;             // mma tiles per warp
   static constexpr int B_ROW_BYTES = FP4 ? 32 : 128;            // one row's 64 K of prepared weights
@@ -43,7 +40,6 @@ struct TileConfig {
   static_assert((BM * 8) % THREADS == 0 || BM * 8 < THREADS, "A chunks per thread");
   static_assert(B_BYTES % 16 == 0 && SF_BYTES % 16 == 0, "16-byte chunks");
   static_assert(!WGMMA || (WEIGHTS_AS_A && WARPS_N % 4 == 0 && A_BYTES % 1024 == 0), "wgmma: warpgroups, aligned B");
-  static_assert(!PRODUCER || WGMMA, "producer warps feed wgmma tiles only (WsPipe's proxy fence, the kernel's loop)");
 };
 
 // The stages' base in the dynamic shared memory: a wgmma tile's is rounded up to 1024 bytes (SMEM_BYTES holds
@@ -115,9 +111,9 @@ template <class C> struct TileLoader {
 #else
   static constexpr bool kBulk = false;
 #endif
-  // The loading threads: the producer warps (PRODUCER tiles) or every thread; tid() is the index among them.
-  static constexpr int LT = C::PRODUCER ? C::PRODUCER_THREADS : C::THREADS;
-  __device__ static int tid() { return static_cast<int>(threadIdx.x) - (C::PRODUCER ? C::THREADS : 0); }
+  // Every thread of the block loads; tid() is its index among them.
+  static constexpr int LT = C::THREADS;
+  __device__ static int tid() { return static_cast<int>(threadIdx.x); }
   static constexpr int B_CHUNKS = kBulk ? 0 : C::B_BYTES / 16 / LT;
   static_assert(kBulk || ((C::B_BYTES / 16) % LT == 0 && C::SF_BYTES / 16 <= LT), "whole weight chunks per thread");
   // The token chunks (16 bytes: 8 a row and k-block) go to warp 0 alone when they are few (8 rows: two a lane),
@@ -226,7 +222,6 @@ template <class C> struct TileLoader {
 // this k-block's __syncthreads), or STAGES - 2 ahead for wgmma tiles, whose wgmmas may still read the previous
 // k-block's stage (they are waited for one k-block later, before the __syncthreads that frees it).
 template <class C> struct StagePipe {
-  static_assert(!C::PRODUCER, "tiles with a producer warp use WsPipe");
   static constexpr int kAhead = C::STAGES - 1 - (C::WGMMA ? 1 : 0);  // k-blocks loaded ahead of the one read
   static_assert(kAhead >= 1, "stages");
   uint32_t sbase, bar0;
@@ -268,85 +263,8 @@ template <class C> struct StagePipe {
   }
 };
 
-// The pipeline of a tile with producer warps (C::PRODUCER; the wgmma tile of 128 tokens): the producer warps issue
-// every copy (tokens by cp.async, 16 a lane and k-block; weights and scales by bulk copies) and leave; the math
-// warps only wait for stages and hand them back. Stage s has two barriers: full (the producer lanes' cp.async
-// arrivals and the bulk copies' bytes) and empty (one arrival a math warp once its wgmmas have read the stage). No
-// __syncthreads in the loop: a warp waits only for the stage it reads or, a producer, the one it refills (H200 ncu
-// of the wgmma tile with every thread copying, session 8 run 4: 197 instructions a k-block a warp for 4 wgmmas, of
-// which ~60 decode; the copies, the block barrier and its waits were most of the rest). The stages run on from
-// tile to tile of a persistent block: both sides keep their place in the ring.
-template <class C> struct WsPipe {
-  static_assert(C::PRODUCER && C::PRODUCER_THREADS % 32 == 0, "producer warps");
-  uint32_t base, full0, empty0;
-  int rd = 0;                // math warps: the stage to read next
-  uint32_t ph = 0;           //   the parity of its full barrier's phase to wait for
-  int cur = -1, prev = -1;   //   the stages of the last two k-blocks returned, not handed back yet
-  int wr = 0;                // producer warps: the stage to load next
-  uint32_t eph = 1;          //   the parity of its empty barrier's phase to wait for (a fresh barrier's phase
-                             //   "before the first" counts as complete: the first round does not wait)
-
-  // Every thread of the block (the barriers' initialization, then one __syncthreads).
-  __device__ __forceinline__ explicit WsPipe(uint8_t* smem) {
-    __shared__ __align__(8) uint64_t bars[2 * C::STAGES];
-    base = dev::smem_addr(smem);
-    full0 = dev::smem_addr(bars);
-    empty0 = full0 + 8 * C::STAGES;
-    if (threadIdx.x < C::STAGES) {
-      dev::mbar_init(full0 + 8 * threadIdx.x, C::PRODUCER_THREADS + (TileLoader<C>::kBulk ? 1 : 0));
-      dev::mbar_init(empty0 + 8 * threadIdx.x, C::THREADS / 32);
-    }
-    dev::mbar_init_fence();
-    __syncthreads();
-  }
-  __device__ static bool producer() { return threadIdx.x >= C::THREADS; }
-  __device__ __forceinline__ uint32_t sbase() const { return base; }
-
-  // The producer warps: loads k-blocks [kb0, kb0 + nkb) of one tile, each into the next stage once the math warps
-  // handed it back.
-  template <class Rows>
-  __device__ __forceinline__ void produce(const GemmProblem& g, const Rows& tr, int n0, int kb0, int nkb) {
-    TileLoader<C> ld(g, tr, n0, kb0);
-    for (int j = 0; j < nkb; ++j) {
-      dev::mbar_wait(empty0 + 8 * wr, eph);
-      ld.load_next(base + wr * C::STAGE_BYTES, full0 + 8 * wr);
-      dev::cp_async_mbar_arrive(full0 + 8 * wr);
-      if (++wr == C::STAGES) wr = 0, eph ^= 1u;
-    }
-  }
-  // The producer warps, after their last tile.
-  __device__ __forceinline__ void drain() { dev::cp_async_wait<0>(); }
-
-  // A math warp: the shared-space address of the next k-block's stage, its copies landed. The tokens came by
-  // cp.async (the generic proxy) and wgmma reads them through the async proxy: the PTX memory model asks for the
-  // proxy fence between (here, after the barrier that orders them).
-  __device__ __forceinline__ uint32_t next() {
-    dev::mbar_wait(full0 + 8 * rd, ph);
-    dev::fence_proxy_async();
-    prev = cur;
-    cur = rd;
-    ph ^= rd == C::STAGES - 1 ? 1u : 0u;
-    rd = rd == C::STAGES - 1 ? 0 : rd + 1;
-    return base + cur * C::STAGE_BYTES;
-  }
-  // After wgmma_wait<1>: the wgmmas of every k-block but the last one returned are done; hands back the stage
-  // before it.
-  __device__ __forceinline__ void release_older() {
-    if (prev >= 0 && (threadIdx.x & 31) == 0) dev::mbar_arrive(empty0 + 8 * prev);
-    prev = -1;
-  }
-  // After wgmma_wait<0>: hands back every stage held.
-  __device__ __forceinline__ void release_all() {
-    release_older();
-    if (cur >= 0 && (threadIdx.x & 31) == 0) dev::mbar_arrive(empty0 + 8 * cur);
-    cur = -1;
-  }
-  __device__ __forceinline__ void finish() {}
-};
-
-// The copies of a skinny tile without a producer: every thread loads its share (TileLoader + StagePipe); the same
-// interface as WsPipe (next() returns the next k-block's stage; the release calls are no-ops: __syncthreads
-// frees the stages).
+// The copies of a skinny tile: every thread loads its share (TileLoader + StagePipe); next() returns the next
+// k-block's stage, and the release calls are no-ops (__syncthreads frees the stages).
 template <class C> struct TilePipeline {
   TileLoader<C> ld;
   StagePipe<C> pipe;
@@ -361,11 +279,8 @@ template <class C> struct TilePipeline {
   __device__ __forceinline__ void finish() { dev::cp_async_wait<0>(); }
 };
 
-// __syncthreads for the math threads (a tile with producer warps: they have left, or run ahead; named barrier 1).
-template <class C> __device__ __forceinline__ void math_sync() {
-  if constexpr (C::PRODUCER) asm volatile("bar.sync 1, %0;\n" ::"n"(C::THREADS) : "memory");
-  else __syncthreads();
-}
+// __syncthreads for the math threads (every thread of the block computes).
+template <class C> __device__ __forceinline__ void math_sync() { __syncthreads(); }
 
 template <class Cfg> struct MainLoop {
   using C = Cfg;

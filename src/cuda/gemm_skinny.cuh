@@ -30,8 +30,8 @@ namespace fp4moe::cuda_backend {
 // WGMMA (sm_90a, RG = 1): each warpgroup multiplies its 64 weight rows (register A, the same fragments) by all BM
 // tokens (shared B) with one wgmma m64nBMk16 a k16 step; the accumulators are the same fragments as BM / 8 token
 // groups of mma.sync, so the split-K and epilogue code below serve both.
-template <int BM, int WARPS, int STAGES, bool FP4, int RG = 2, bool WGMMA = false, bool PRODUCER = false>
-using SkinnyConfig = TileConfig<BM, 16 * RG * WARPS, 1, WARPS, STAGES, FP4, true, WGMMA, PRODUCER>;
+template <int BM, int WARPS, int STAGES, bool FP4, int RG = 2, bool WGMMA = false>
+using SkinnyConfig = TileConfig<BM, 16 * RG * WARPS, 1, WARPS, STAGES, FP4, true, WGMMA>;
 
 // One warp's A fragments (16 weight rows x one k16 step) for the 4 steps of a k-block in shared memory:
 // thread (g, t) holds rows g and g + 8 at k = 2t, 2t+1 and 2t+8, 2t+9 — in the prepared layout, the bytes
@@ -68,16 +68,14 @@ __device__ __forceinline__ void weight_fragments(const uint8_t* st, const uint8_
 // reserved per block). On sm_90 (228 KB: NVFP4 config 0: 5, config 1: 4; bf16: 1); left to itself, ptxas gave
 // NVFP4 config 1 137 registers (3 blocks). Other architectures are not capped: their shared memory differs
 // (sm_80 164 KB, sm_89 / sm_120 100 KB) and 228 KB's counts made ptxas spill there. The 64-token wgmma tile holds
-// BM / 2 accumulator registers a thread (its chunk sums in shared memory): two blocks. A tile with producer warps:
-// one (at two, ten warps a block put five on one scheduler, and ptxas capped the registers at 96 and serialized the
-// wgmmas).
+// BM / 2 accumulator registers a thread (its chunk sums in shared memory): two blocks.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
 constexpr int kSkinnySmemPerSm = 228 * 1024;
 #else
 constexpr int kSkinnySmemPerSm = 0;
 #endif
 template <class Cfg> constexpr int kSkinnyMinBlocks =
-    Cfg::PRODUCER ? 1 : Cfg::WGMMA ? 2 : std::max(1, kSkinnySmemPerSm / (Cfg::SMEM_BYTES + 1024));
+    Cfg::WGMMA ? 2 : std::max(1, kSkinnySmemPerSm / (Cfg::SMEM_BYTES + 1024));
 
 // GEMM1's epilogue with a's A4 quantization fused (Epilogue1Params::a_quant_gs; gated activations, two row groups a
 // warp): the warp's 32 weight rows n0.. are 16 gate | up pairs, a's columns n0 / 2 .. + 15 — one NVFP4 block (n0 is
@@ -136,9 +134,8 @@ __device__ __forceinline__ void fused_a4_store(const Epilogue1Params& ep, const 
     }
 }
 
-// One block tile (rows tr, weight rows [nb, nb + BN), k-blocks kr) through the pipeline `pipe` (TilePipeline, or
-// a producer tile's WsPipe, whose stages run on from the block's previous tile), then its epilogue. The math
-// threads only; a split tile's blocks but the last return without an epilogue.
+// One block tile (rows tr, weight rows [nb, nb + BN), k-blocks kr) through the pipeline `pipe` (TilePipeline), then
+// its epilogue; a split tile's blocks but the last return without an epilogue.
 template <class Cfg, class Epi, class Act, class Pipe>
 __device__ __forceinline__ void skinny_tile(const GemmProblem& g, const typename Epi::Params& ep, uint8_t* smem,
                                             const TileRows& tr, int nb, KRange kr, Pipe& pipe) {
@@ -175,7 +172,7 @@ __device__ __forceinline__ void skinny_tile(const GemmProblem& g, const typename
     if (i < Cfg::BM && tr.row0 + i < tr.row_end) s_row_pre[i] = Epi::row_pre(ep, g, tr.row0 + i);
   }
 
-  // Split-K (tiles without a producer: one tile a block): this block's chunk sums go to partials[tile][chunk][thread]
+  // Split-K: this block's chunk sums go to partials[tile][chunk][thread]
   // (tile = blockIdx.x, y).
   const int chunks = (KB + kChunkBlocks - 1) / kChunkBlocks;
   const int64_t tile_lin = static_cast<int64_t>(blockIdx.x) * gridDim.y + blockIdx.y;
@@ -420,9 +417,7 @@ __device__ __forceinline__ void skinny_tile(const GemmProblem& g, const typename
   };
   if constexpr (Cfg::WGMMA) {
     // A rolled loop, the sums read from shared memory group by group: unrolled over the groups (with its LoRA
-    // passes) the epilogue was most of the kernel's code, and the 128-token tile's instruction fetch stalled on it
-    // (ncu, mixtral_8x7b T=4096 GEMM1, tile 4: 38 % of the samples in the epilogue, a third of them "no
-    // instruction").
+    // passes) the epilogue was most of the kernel's code, and instruction fetch stalled on it.
 #pragma unroll 1
     for (int i = 0; i < groups; ++i) {
       const float4 v = chunk_sums[i * Cfg::THREADS];  // RG = 1: accumulator i
@@ -445,12 +440,8 @@ __device__ __forceinline__ void skinny_tile(const GemmProblem& g, const typename
 }
 
 
-// The grouped GEMM kernel of the weights-as-A tiles. Without a producer: block (x, y, z) = (m tile, n tile, split),
-// every thread loading its share. With producer warps (one block an SM): a persistent block, tiles blockIdx.x,
-// + gridDim.x, ... in the grid's order (m tiles fastest: neighbours share a weight tile in L2); the producer warps
-// run through every tile's k-blocks without a break, so the next tile's first stages load during this one's
-// epilogue. (H200, session 11 r2 -> r3: within ±3 % of one tile a block on its own; the math warps' epilogue, which
-// nothing overlaps at one block an SM, is what it leaves: bench/NOTES.md "Version 11".)
+// The grouped GEMM kernel of the weights-as-A tiles: block (x, y, z) = (m tile, n tile, split), every thread loading
+// its share.
 template <class Cfg, class Epi, class Act>
 __global__ void __launch_bounds__(Cfg::BLOCK_THREADS, kSkinnyMinBlocks<Cfg>)
     skinny_gemm_kernel(GemmProblem g, typename Epi::Params ep) {
@@ -459,41 +450,14 @@ __global__ void __launch_bounds__(Cfg::BLOCK_THREADS, kSkinnyMinBlocks<Cfg>)
   dev::pdl_wait();
   dev::pdl_launch_dependents();
   const int KB = static_cast<int>(g.B.Kp / Cfg::BK);
-  if constexpr (Cfg::PRODUCER) {
-    // The real tiles (the routed count is the permutation's, after pdl_wait), m fastest; split is always 1 here.
-    const int m_count = g.tile_info ? g.tile_info[2 * g.max_tiles] : (g.dense_rows + Cfg::BM - 1) / Cfg::BM;
-    const int n_count = static_cast<int>((g.B.N + Cfg::BN - 1) / Cfg::BN);
-    const int total = m_count * n_count;
-    WsPipe<Cfg> pipe(smem);
-    if (pipe.producer()) {
-      for (int L = blockIdx.x; L < total; L += gridDim.x) {
-        int m, n;
-        tile_of(L, m_count, n_count, g.m_band, m, n);
-        TileRows tr;
-        resolve_tile<Cfg::BM>(g, tr, m);
-        pipe.produce(g, tr, n * Cfg::BN, 0, KB);
-      }
-      pipe.drain();
-      return;  // the rest is the math warps' (math_sync, not __syncthreads)
-    }
-    for (int L = blockIdx.x; L < total; L += gridDim.x) {
-      int m, n;
-      tile_of(L, m_count, n_count, g.m_band, m, n);
-      TileRows tr;
-      resolve_tile<Cfg::BM>(g, tr, m);
-      if (L != static_cast<int>(blockIdx.x)) math_sync<Cfg>();  // the last tile's epilogue has read its shared rows
-      skinny_tile<Cfg, Epi, Act>(g, ep, smem, tr, n * Cfg::BN, KRange{0, KB}, pipe);
-    }
-  } else {
-    int m, n;
-    grid_tile(g.m_band, m, n);
-    TileRows tr;
-    if (!resolve_tile<Cfg::BM>(g, tr, m)) return;
-    const KRange kr = k_range(KB, static_cast<int>(blockIdx.z), g.split);
-    const int nb = n * Cfg::BN;
-    TilePipeline<Cfg> pipe(smem, g, tr, nb, kr.begin, kr.end - kr.begin);
-    skinny_tile<Cfg, Epi, Act>(g, ep, smem, tr, nb, kr, pipe);
-  }
+  int m, n;
+  grid_tile(g.m_band, m, n);
+  TileRows tr;
+  if (!resolve_tile<Cfg::BM>(g, tr, m)) return;
+  const KRange kr = k_range(KB, static_cast<int>(blockIdx.z), g.split);
+  const int nb = n * Cfg::BN;
+  TilePipeline<Cfg> pipe(smem, g, tr, nb, kr.begin, kr.end - kr.begin);
+  skinny_tile<Cfg, Epi, Act>(g, ep, smem, tr, nb, kr, pipe);
 }
 
 }  // namespace fp4moe::cuda_backend

@@ -30,8 +30,7 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 // mbarriers (bar: the shared-space address of a 64-bit barrier). A stage's barrier completes a phase when its
-// arrivals (the thread that issues the stage's bulk copies; with a producer warp, also its lanes' cp.async
-// arrivals) and all the bytes announced have landed.
+// arrival (the thread that issues the stage's bulk copies) and all the bytes announced have landed.
 __device__ __forceinline__ void mbar_init(uint32_t bar, int arrivals) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(arrivals) : "memory");
 }
@@ -48,15 +47,6 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
       "@!done bra wait_again;\n}\n" ::"r"(bar),
       "r"(parity)
       : "memory");
-}
-// One arrival on the barrier's current phase (release: this thread's earlier reads of the stage are done).
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-// One arrival on the barrier once every cp.async this thread issued before has landed (.noinc: the arrival is one
-// of those the barrier was initialized to expect).
-__device__ __forceinline__ void cp_async_mbar_arrive(uint32_t bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
 // Copies `bytes` (a multiple of 16, both addresses 16-byte aligned) global -> shared with the TMA unit; the
 // bytes count towards the transaction of barrier bar's current phase.

@@ -115,8 +115,6 @@ MoePlan make_plan(const ProblemShape& shape) {
   // sm_90a: the wgmma tile from 32 expected rows a local expert (rows / E_total under EP); with LoRA on thin
   // experts (I <= 768) from 80, below which its per-adapter epilogue passes cost more than its wider MMA saves.
   const bool lora_thin = s.has_lora && s.I <= 768 && p.rows < 80 * s.E_total;
-  // The 128-token producer-warp tile is never chosen (with the tile bands the 64-token wgmma tile is as fast);
-  // MoeArgs::gemm_tile can still force it.
   auto choose = [&](bool wgmma) {
     if (wgmma && p.rows >= 32 * s.E_total && !lora_thin) return 3;
     return avg_rows <= 6 ? 0 : (avg_rows <= 512 ? 1 : 2);

@@ -398,7 +398,6 @@ TEST(Plan, LoraNeverChangesChunkingOrTiles) {
       const MoePlan pb = make_plan(bw), ps = make_plan(sw);
       EXPECT_EQ(ps.chunk_tokens, pb.chunk_tokens);
       EXPECT_TRUE(ps.gemm_config == pb.gemm_config || (pb.gemm_config == 3 && ps.gemm_config == p.gemm_config));
-      EXPECT_NE(pb.gemm_config, 4) << "tile 4 is only forced";
       EXPECT_EQ(ps.out.offset, pb.out.offset);
       EXPECT_EQ(ps.act.offset, pb.act.offset);
       check_plan(s, rng);

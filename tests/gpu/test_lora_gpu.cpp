@@ -398,7 +398,7 @@ TEST(GpuLoraInvariants, TiledShrinkEqualsPerTokenShrink) {
   const std::vector<uint16_t> y = call.run(*layer, R.gpu.get(), ids);
   EXPECT_EQ(count_poison(y), 0);
   // The full batch with every tile forced (MoeArgs::gemm_tile: the plan's 64-token wgmma tile at 1200 rows an expert,
-  // the mma.sync tiles it takes for kimi's thin experts, I = 384, below 80, and the 128-token tile): the same bits.
+  // the mma.sync tiles it takes for kimi's thin experts, I = 384, below 80): the same bits.
   for (int tile = 0; tile < kNumGemmConfigs; ++tile) {
     if (kGemmConfigs[tile].wgmma && !cuda_backend::wgmma_supported_on(0)) continue;
     call.g->args.gemm_tile = tile;

@@ -3,7 +3,7 @@
 # kernels of one eager call of SHAPE (default kimi_k3_tp8; no LoRA) at each T in TOKENS. Runs beside an unpacked
 # `git archive` with the binaries carried in BIN. Writes ncu_<shape>_T<T>.txt (details page: stall reasons,
 # instruction-cache stalls among them) and src_<shape>_T<T>.csv (source page of the kernels matching SRC_KERNELS:
-# SASS with stall reasons) under $LOGS. BENCH_FLAGS: more `fp4moe bench` flags (e.g. --tile 4).
+# SASS with stall reasons) under $LOGS. BENCH_FLAGS: more `fp4moe bench` flags (e.g. --tile 3).
 set -u
 TOKENS=${TOKENS:-1 64}
 SHAPE=${SHAPE:-kimi_k3_tp8}
