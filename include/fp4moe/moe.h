@@ -156,9 +156,9 @@ struct MoeArgs {
   void* stream = nullptr;         // cudaStream_t
   Precision precision = Precision::Fp32;  // Fp64: CPU reference only
   int num_threads = 0;                    // CPU: 0 = hardware concurrency
-  // CUDA: the GEMM tile (index into plan.h's kGemmConfigs), -1 = chosen from the rows an expert. Any tile gives
-  // the same bits (SPEC §4); forcing one is for tuning and tests. workspace_size must be asked with the same tile.
-  int gemm_tile = -1;
+  // CUDA: the GEMM tile, Auto = chosen from the rows an expert. Any tile gives the same bits (SPEC §4); forcing
+  // one is for tuning and tests. workspace_size must be asked with the same tile.
+  GemmTile gemm_tile = GemmTile::Auto;
   // Bytes of workspace the token-proportional buffers may take (plan.h ProblemShape::workspace_budget; 0 = the
   // default, kDefaultWorkspaceBudget): a larger batch runs in chunks that fit. workspace_size must be asked with
   // the same budget.

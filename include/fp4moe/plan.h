@@ -36,7 +36,7 @@ struct ProblemShape {
   // The device runs the sm_90a wgmma tile (compute capability 9.0; set by the CUDA backend). The workspace does
   // not depend on it.
   bool wgmma = false;
-  // Forces the GEMM tile (index into kGemmConfigs; MoeArgs::gemm_tile), -1 = chosen from the rows an expert.
+  // Forces the GEMM tile (index into kGemmConfigs: a GemmTile's value; MoeArgs::gemm_tile), -1 = chosen.
   int gemm_config = -1;
 };
 

@@ -33,6 +33,17 @@ enum class Backend : int32_t { CPU = 0, CUDA = 1 };
 // Fp64: reference-only; every sum in double and no intermediate rounding (the "ideal" answer).
 enum class Precision : int32_t { Fp32 = 0, Fp64 = 1 };
 
+// The CUDA backend's GEMM tiles (MoeArgs::gemm_tile): every tile gives the same bits (SPEC §4), so forcing one is
+// for tuning and tests; docs/architecture.md describes them.
+enum class GemmTile : int32_t {
+  Auto = -1,         // the plan's choice, by the rows an expert
+  SplitKDecode = 0,  // up to 8 tokens a tile, the weights as the mma A operand, K split over blocks when few
+  WeightsAsA32 = 1,  // up to 32 tokens a tile, the weights as the mma A operand
+  TokensAsA64 = 2,   // 64 tokens a tile, the tokens as the mma A operand
+  Wgmma64 = 3,       // 64 tokens a tile, sm_90a wgmma with the decoded weights as its register A operand
+};
+const char* to_string(GemmTile t);
+
 enum class DType : int32_t { F32 = 0, BF16 = 1, U8 = 2, I32 = 3, E4M3 = 4, F64 = 5, F16 = 6, I64 = 7 };
 size_t dtype_size(DType t);
 const char* to_string(DType t);

@@ -10,7 +10,8 @@ Tensors are taken through DLPack (PyTorch, NumPy with ml_dtypes, CuPy, JAX). Err
 fp4moe.Fp4MoeError (a ValueError) with .code and .argument.
 """
 from ._errors import ErrorCode, Fp4MoeError
-from ._enums import ActivationType, RoutingMethod, GateUpOrder, LoraLayout, ScaleLayout, WeightFormat, ActMode
+from ._enums import (ActivationType, RoutingMethod, GateUpOrder, GemmTile, LoraLayout, ScaleLayout, WeightFormat,
+                     ActMode)
 from . import _loader  # loads and checks the extension; raises ImportError when it is missing or mismatched
 from ._api import (AdapterRegistry, MoeWeights, build_info, check_device_errors, dequantize_weights,
                    from_hf_experts, list_peft_expert_modules, moe, object_of_handle, peft_expert_matrices,
@@ -30,7 +31,7 @@ def __getattr__(name):
 __version__ = _loader.binary_info()["version"]
 
 __all__ = [
-    "ActivationType", "ActMode", "AdapterRegistry", "ErrorCode", "Fp4MoeError", "GateUpOrder", "LoraLayout",
+    "ActivationType", "ActMode", "AdapterRegistry", "ErrorCode", "Fp4MoeError", "GateUpOrder", "GemmTile", "LoraLayout",
     "MoeWeights", "RoutingMethod", "ScaleLayout", "WeightFormat", "build_info", "check_device_errors",
     "dequantize_weights", "from_hf_experts", "inspect_checkpoint", "list_peft_expert_modules",
     "load_moe_layer", "moe", "MoeLayer", "read_moe_layer", "object_of_handle",

@@ -12,7 +12,8 @@ import numpy as np
 
 from . import _loader
 from ._enums import (FORMAT_ALIASES, GATE_UP_ORDER_ALIASES, LORA_LAYOUT_ALIASES, MODE_ALIASES,
-                     PRECISION_ALIASES, SCALE_LAYOUT_ALIASES, ActivationType, ActMode, GateUpOrder, LoraLayout,
+                     PRECISION_ALIASES, SCALE_LAYOUT_ALIASES, GEMM_TILE_ALIASES, ActivationType, ActMode, GateUpOrder,
+                     GemmTile, LoraLayout,
                      Precision, RoutingMethod, ScaleLayout, WeightFormat, is_gated, parse_enum)
 from ._errors import ErrorCode, Fp4MoeError, error, renamed
 from ._tensors import (BF16, E4M3, INT32_RANGE, as_arg, as_float, as_int, device_of, empty_bf16, is_torch, per_expert,
@@ -397,15 +398,16 @@ def moe(x, weights: MoeWeights, *, routing_logits=None, routing_bias=None, topk_
         per_token_x_scale: bool = False, shared_expert: MoeWeights | None = None, shared_alpha=None,
         shared_beta=None, shared_clamp_limit=None, adapters: AdapterRegistry | None = None, adapter_ids=None,
         gate_up_lora_delta=None, activation_out=None, out=None, workspace=None, stream=None,
-        precision="fp32", num_threads: int = 0, gemm_tile: int = -1, workspace_budget: int = 0, _runner=None):
+        precision="fp32", num_threads: int = 0, gemm_tile="auto", workspace_budget: int = 0, _runner=None):
     """The fused MoE layer (SPEC §3): y [T, H] bfloat16 = Σ_j w_tj · expert_e(x_t) (+ shared expert).
 
     Routing from routing_logits [T, E] (+ routing_bias [E]) or precomputed topk_ids int32 [T, k] and
     topk_weights float32 [T, k]. Per-expert activation parameters gemm1_alpha/beta/clamp_limit (float32
     [E_loc], or a scalar for all experts), in real units. Returns `out` when given, else a new tensor in
     x's framework (NumPy for host arrays, PyTorch for torch tensors). gemm_tile forces one of the CUDA
-    backend's GEMM tiles (an index into plan.h's kGemmConfigs; -1, the default: the plan's choice) for
-    benchmarking; every tile gives the same bits (SPEC §4), so it never changes the output.
+    backend's GEMM tiles (a GemmTile, its name or value: SplitKDecode, WeightsAsA32, TokensAsA64, Wgmma64;
+    "auto", the default: the plan's choice) for benchmarking; every tile gives the same bits (SPEC §4), so it
+    never changes the output.
     workspace_budget: bytes the token-proportional workspace buffers may take (0, the default: 4 GiB); a
     larger batch runs in equal chunks that fit (same bits). A given `workspace` must be sized by
     workspace_size with the same budget.
@@ -428,7 +430,7 @@ def moe(x, weights: MoeWeights, *, routing_logits=None, routing_bias=None, topk_
     num_experts_total = as_int(num_experts_total, "num_experts_total")
     local_expert_offset = as_int(local_expert_offset, "local_expert_offset")
     num_threads = as_int(num_threads, "num_threads", INT32_RANGE)
-    gemm_tile = as_int(gemm_tile, "gemm_tile", INT32_RANGE)
+    gemm_tile = int(parse_enum(GemmTile, gemm_tile, "gemm_tile", GEMM_TILE_ALIASES))
     workspace_budget = as_int(workspace_budget, "workspace_budget")
     routed_scaling_factor = as_float(routed_scaling_factor, "routed_scaling_factor")
     fc1_input_scale = as_float(fc1_input_scale, "fc1_input_scale")
@@ -486,7 +488,7 @@ def moe(x, weights: MoeWeights, *, routing_logits=None, routing_bias=None, topk_
 def workspace_size(weights: MoeWeights, num_tokens: int, top_k: int, *, routing_from_logits: bool = True,
                    num_experts_total: int = 0, n_group: int = 1, activation=None, mode="a16",
                    shared_expert: MoeWeights | None = None, max_lora_rank: int = 0,
-                   workspace_budget: int = 0, gemm_tile: int = -1) -> int:
+                   workspace_budget: int = 0, gemm_tile="auto") -> int:
     """Bytes of `workspace` the CUDA backend uses for a call with up to num_tokens tokens (0 on the CPU
     backend, which takes no workspace). The size does not decrease with num_tokens, so a buffer sized for
     the largest batch serves every smaller one; passing it makes the call allocation-free (CUDA graphs).
@@ -500,7 +502,7 @@ def workspace_size(weights: MoeWeights, num_tokens: int, top_k: int, *, routing_
     T, k = as_int(num_tokens, "num_tokens"), as_int(top_k, "top_k")
     e_total, groups = as_int(num_experts_total, "num_experts_total"), as_int(n_group, "n_group")
     rank, budget = as_int(max_lora_rank, "max_lora_rank"), as_int(workspace_budget, "workspace_budget")
-    tile = as_int(gemm_tile, "gemm_tile")
+    tile = int(parse_enum(GemmTile, gemm_tile, "gemm_tile", GEMM_TILE_ALIASES))
     if activation is None:
         activation = weights.activation if weights.activation is not None else ActivationType.Swiglu
     act = parse_enum(ActivationType, activation, "activation")

@@ -74,6 +74,15 @@ class Precision(enum.IntEnum):
     Fp64 = 1
 
 
+class GemmTile(enum.IntEnum):
+    """The CUDA backend's GEMM tiles (fp4moe::GemmTile); every tile gives the same bits."""
+    Auto = -1          # the plan's choice
+    SplitKDecode = 0   # up to 8 tokens a tile, weights as the mma A operand, K split over blocks
+    WeightsAsA32 = 1   # up to 32 tokens a tile, weights as the mma A operand
+    TokensAsA64 = 2    # 64 tokens a tile, tokens as the mma A operand
+    Wgmma64 = 3        # 64 tokens a tile, sm_90a wgmma with the weights as register A
+
+
 # fp4moe::DType values (dtype hints passed to the extension).
 class DType(enum.IntEnum):
     F32 = 0
@@ -129,3 +138,4 @@ FORMAT_ALIASES = {"nvfp4": 0, "fp4": 0, "bf16": 1, "bfloat16": 1}
 LORA_LAYOUT_ALIASES = {"perexpert": 0, "sglang": 0, "vllm": 0, "peftfused": 1, "peft": 1, "fused": 1,
                        "sharedouter": 2}
 PRECISION_ALIASES = {"fp32": 0, "float32": 0, "fp64": 1, "float64": 1}
+GEMM_TILE_ALIASES = {"plan": -1, "decode": 0, "wgmma": 3}

@@ -333,7 +333,7 @@ MoeArgs make_moe_args(const nb::dict& t, Keep& keep, int routing_method, int64_t
   a.stream = reinterpret_cast<void*>(stream);
   a.precision = static_cast<Precision>(precision);
   a.num_threads = num_threads;
-  a.gemm_tile = gemm_tile;
+  a.gemm_tile = static_cast<GemmTile>(gemm_tile);
   a.workspace_budget = workspace_budget;
   return a;
 }
@@ -414,7 +414,7 @@ size_t py_workspace_size(const MoeWeights& weights, int64_t T, int64_t top_k, bo
   a.shared_expert = shared_expert;
   a.workspace_budget = workspace_budget;
   check_gemm_tile(gemm_tile);
-  a.gemm_tile = gemm_tile;
+  a.gemm_tile = static_cast<GemmTile>(gemm_tile);
   const bool wgmma = gemm_tile >= 0 && kGemmConfigs[gemm_tile].wgmma;
   return workspace_size(problem_shape(weights.impl(), a, max_lora_rank > 0, max_lora_rank, wgmma));
 }

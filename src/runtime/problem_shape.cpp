@@ -29,7 +29,7 @@ ProblemShape problem_shape(const PreparedWeights& w, const MoeArgs& a, bool with
   s.has_lora = with_lora || a.adapters != nullptr;
   s.max_lora_rank = s.has_lora ? lora_rank : 0;
   s.wgmma = wgmma;
-  s.gemm_config = a.gemm_tile;
+  s.gemm_config = static_cast<int>(a.gemm_tile);
   s.workspace_budget = a.workspace_budget;
   return s;
 }
@@ -45,10 +45,11 @@ int64_t max_loaded_rank(const AdapterSnapshot& adapters) {
 size_t workspace_size(const MoeWeights& weights, const MoeArgs& args) {
   if (!weights.valid()) detail::invalid("weights", "not prepared (call prepare_weights first)");
   if (weights.backend() != Backend::CUDA) return 0;
-  check_gemm_tile(args.gemm_tile);
+  const int tile = static_cast<int>(args.gemm_tile);
+  check_gemm_tile(tile);
   // Rank unknown (sized for the largest), so that adapters loaded later still fit; a forced wgmma tile is sized
   // as the device that runs it would.
-  const bool wgmma = args.gemm_tile >= 0 && kGemmConfigs[args.gemm_tile].wgmma;
+  const bool wgmma = tile >= 0 && kGemmConfigs[tile].wgmma;
   return workspace_size(problem_shape(weights.impl(), args, false, 0, wgmma));
 }
 

@@ -38,6 +38,17 @@ const char* to_string(ActivationType a) {
   return "?";
 }
 
+const char* to_string(GemmTile t) {
+  switch (t) {
+    case GemmTile::Auto: return "Auto";
+    case GemmTile::SplitKDecode: return "SplitKDecode";
+    case GemmTile::WeightsAsA32: return "WeightsAsA32";
+    case GemmTile::TokensAsA64: return "TokensAsA64";
+    case GemmTile::Wgmma64: return "Wgmma64";
+  }
+  return "?";
+}
+
 const char* to_string(DType t) {
   switch (t) {
     case DType::F32: return "float32";

@@ -231,7 +231,7 @@ CallShape validate_moe_args(const MoeWeights& weights, const MoeArgs& a, const A
   if (a.num_threads < 0) invalid("num_threads", "must be >= 0");
   // Any backend: a tile index out of range is a bad argument (the CPU reference has no tiles and ignores a valid
   // one; whether the device runs the wgmma tile is the CUDA plan's check).
-  check_gemm_tile(a.gemm_tile);
+  check_gemm_tile(static_cast<int>(a.gemm_tile));
   if (a.workspace_budget < 0) invalid("workspace_budget", "expected >= 0 bytes (0 = the default)");
   if (a.workspace.present()) {
     if (dev != Backend::CUDA) invalid("workspace", "only the CUDA backend takes a workspace");

@@ -125,8 +125,8 @@ std::vector<BadCase> cases() {
       {"activation_out_aliases_y", "activation_out", ErrorCode::InvalidArgument, [](Fixture& f, MoeArgs& a) { a.activation_out = make_view(f.y.data(), DType::BF16, {1, 1, 32}); a.activation_out.shape[0] = f.T; a.activation_out.shape[1] = f.k; a.activation_out.stride[1] = 32; a.activation_out.stride[0] = f.k * 32; }},
       {"fp64_precision_bad_value", "precision", ErrorCode::InvalidArgument, [](Fixture&, MoeArgs& a) { a.precision = static_cast<Precision>(7); }},
       {"negative_threads", "num_threads", ErrorCode::InvalidArgument, [](Fixture&, MoeArgs& a) { a.num_threads = -1; }},
-      {"gemm_tile_out_of_range", "gemm_tile", ErrorCode::InvalidArgument, [](Fixture&, MoeArgs& a) { a.gemm_tile = kNumGemmConfigs; }},
-      {"gemm_tile_negative", "gemm_tile", ErrorCode::InvalidArgument, [](Fixture&, MoeArgs& a) { a.gemm_tile = -2; }},
+      {"gemm_tile_out_of_range", "gemm_tile", ErrorCode::InvalidArgument, [](Fixture&, MoeArgs& a) { a.gemm_tile = static_cast<GemmTile>(kNumGemmConfigs); }},
+      {"gemm_tile_negative", "gemm_tile", ErrorCode::InvalidArgument, [](Fixture&, MoeArgs& a) { a.gemm_tile = static_cast<GemmTile>(-2); }},
       {"workspace_budget_negative", "workspace_budget", ErrorCode::InvalidArgument, [](Fixture&, MoeArgs& a) { a.workspace_budget = -1; }},
       {"workspace_on_cpu", "workspace", ErrorCode::InvalidArgument, [](Fixture&, MoeArgs& a) { a.workspace = make_view(g_bf16_buf.data(), DType::U8, {16}); }},
   };

@@ -58,7 +58,7 @@ TEST(ProblemShape, CallWithBuffersAndShapeOnlyCallMapAlike) {
   a.shared_expert = &sw;
   a.adapters = &reg;
   a.adapter_ids = make_view(ids.data(), DType::I32, {T});
-  a.gemm_tile = 1;
+  a.gemm_tile = GemmTile::WeightsAsA32;
   a.workspace_budget = int64_t(64) << 20;
 
   ProblemShape want;

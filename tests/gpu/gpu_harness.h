@@ -170,7 +170,7 @@ inline Inputs make_inputs(const Case& c) {
 // The MoeArgs common to both backends; tensors are filled in by the callers.
 inline MoeArgs base_args(const Case& c, const Inputs& in) {
   MoeArgs a;
-  a.gemm_tile = c.gemm_tile;
+  a.gemm_tile = static_cast<GemmTile>(c.gemm_tile);
   a.workspace_budget = c.workspace_budget;
   a.routing.method = c.shape.routing;
   a.routing.top_k = c.shape.k;

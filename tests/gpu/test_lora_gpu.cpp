@@ -401,10 +401,10 @@ TEST(GpuLoraInvariants, TiledShrinkEqualsPerTokenShrink) {
   // the mma.sync tiles it takes for kimi's thin experts, I = 384, below 80): the same bits.
   for (int tile = 0; tile < kNumGemmConfigs; ++tile) {
     if (kGemmConfigs[tile].wgmma && !cuda_backend::wgmma_supported_on(0)) continue;
-    call.g->args.gemm_tile = tile;
+    call.g->args.gemm_tile = static_cast<GemmTile>(tile);
     EXPECT_TRUE(call.run(*layer, R.gpu.get(), ids) == y) << "tile " << tile << " differs";
   }
-  call.g->args.gemm_tile = -1;
+  call.g->args.gemm_tile = GemmTile::Auto;
   expect_sub_batch_equal(c, in, *layer, R, ids, {1, 2, 3, 4, 6, 1201, 2399}, y, "with the per-token shrinks");
   EXPECT_NO_THROW(check_device_errors(0));
 }

@@ -61,7 +61,8 @@ int usage() {
       "                      or swiglubias (1.702, 1, clamp 7); the shape's name gets +A\n"
       "  --mode a16|a4       activation mode (default a16); a4: FC1/FC2 input scales 1/448 and 12/2688 (x is N(0,1)),\n"
       "                      the shape's name gets +a4\n"
-      "  --tile N            force GEMM tile N of kGemmConfigs (plan.h; MoeArgs::gemm_tile), default: the plan's choice\n"
+      "  --tile NAME         force a GEMM tile (GemmTile: SplitKDecode, WeightsAsA32, TokensAsA64, Wgmma64, or 0..3),\n"
+      "                      default: the plan's choice\n"
       "  --workspace-budget M  workspace budget in MiB (MoeArgs::workspace_budget; default: the library's, plan.h)\n"
       "  --quick             tokens 1,64,1024 and no extra repeats\n"
       "  --json FILE         write the results as JSON\n"
@@ -158,7 +159,11 @@ Options parse_options(int argc, char** argv) {
       else if (v == "a4") o.mode = ActMode::A4;
       else throw std::invalid_argument("--mode: expected a16 or a4, got '" + v + "'");
     } else if (a == "--tile") {
-      o.gemm_tile = static_cast<int>(as_int(a, need(i), 0, kNumGemmConfigs - 1));
+      const std::string v = need(i);  // a GemmTile name (SplitKDecode, WeightsAsA32, TokensAsA64, Wgmma64) or its value
+      o.gemm_tile = -1;
+      for (int t = 0; t < kNumGemmConfigs; ++t)
+        if (v == to_string(static_cast<GemmTile>(t))) o.gemm_tile = t;
+      if (o.gemm_tile < 0) o.gemm_tile = static_cast<int>(as_int(a, v, 0, kNumGemmConfigs - 1));
     } else if (a == "--workspace-budget") {
       o.workspace_budget = as_int(a, need(i), 1, int64_t{1} << 20) << 20;
     } else if (a == "--quick") {
@@ -510,7 +515,7 @@ MoeArgs make_args(const ShapeCtx& c, int64_t T, const void* x, const void* logit
   const ModelShape& s = *c.shape;
   const ActMode mode = o.mode;
   MoeArgs a;
-  a.gemm_tile = o.gemm_tile;
+  a.gemm_tile = static_cast<GemmTile>(o.gemm_tile);
   a.workspace_budget = o.workspace_budget;
   a.x = make_view(const_cast<void*>(x), DType::BF16, {T, s.H}, Backend::CUDA, dev);
   a.routing.method = s.routing;
@@ -841,7 +846,7 @@ int run_bench_cuda(const Options& o) {
     method.add("l2", json::quote(d.flush_method)).add("runs_min", jint(o.runs)).add("runs_max", jint(o.max_runs));
     method.add("min_time_s", jnum(o.min_time_s)).add("input_sets", jint(o.sets)).add("warmup", jint(2 * o.sets));
     method.add("format", json::quote(o.format == WeightFormat::NVFP4 ? "nvfp4" : "bf16")).add("mode", json::quote(o.mode == ActMode::A4 ? "A4" : "A16"));
-    method.add("gemm_tile", o.gemm_tile < 0 ? json::quote("plan") : jint(o.gemm_tile));
+    method.add("gemm_tile", json::quote(to_string(static_cast<GemmTile>(o.gemm_tile))));
     method.add("workspace_budget", jint(o.workspace_budget > 0 ? o.workspace_budget : kDefaultWorkspaceBudget));
     method.add("lora", json::quote("8 PEFT-fused adapters of rank 16, adapter_ids = t % 8"));
     method.add("weight_bytes", json::quote("per local expert routed to at least once: W1 + W2 (NVFP4: codes + e4m3 scales + fp32 "

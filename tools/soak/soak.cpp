@@ -922,7 +922,7 @@ void Soak::bad_call(Bad kind, Spec& s0) {
       a.per_token_x_scale = false;
       arg = "fc1_input_scale";
       break;
-    case Bad::GemmTile: a.gemm_tile = 1 << 20; arg = "gemm_tile"; break;
+    case Bad::GemmTile: a.gemm_tile = static_cast<GemmTile>(1 << 20); arg = "gemm_tile"; break;
     case Bad::NumThreads: a.num_threads = -1; arg = "num_threads"; break;
     case Bad::Workspace:
       // CPU: no backend but CUDA takes one; CUDA: far smaller than workspace_size.
