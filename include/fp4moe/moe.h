@@ -159,9 +159,8 @@ struct MoeArgs {
   // CUDA: the GEMM tile, Auto = chosen from the rows an expert. Any tile gives the same bits (SPEC §4); forcing
   // one is for tuning and tests. workspace_size must be asked with the same tile.
   GemmTile gemm_tile = GemmTile::Auto;
-  // Bytes of workspace the token-proportional buffers may take (plan.h ProblemShape::workspace_budget; 0 = the
-  // default, kDefaultWorkspaceBudget): a larger batch runs in chunks that fit. workspace_size must be asked with
-  // the same budget.
+  // Bytes of workspace the token-proportional buffers may take (0 = the default, 4 GiB): a larger batch runs in
+  // equal chunks that fit. workspace_size must be asked with the same budget.
   int64_t workspace_budget = 0;
 };
 

@@ -24,7 +24,7 @@
 #include "fp4moe/nvfp4.h"
 #include "fp4moe/parallel.h"
 #include "fp4moe/peft.h"
-#include "fp4moe/plan.h"
+#include "runtime/plan.h"
 #include "fp4moe/quantize.h"
 #include "fp4moe/types.h"
 #include "runtime/problem_shape.h"

@@ -11,7 +11,7 @@
 #include "cuda/backend_parts.h"
 #include "cuda/device_guard.h"
 #include "cuda/kernels.h"
-#include "fp4moe/plan.h"
+#include "runtime/plan.h"
 #include "runtime/problem_shape.h"
 
 namespace fp4moe::cuda_backend {

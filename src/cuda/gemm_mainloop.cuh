@@ -12,7 +12,7 @@
 #include "cuda/kernels.h"
 #include "cuda/mma.cuh"
 #include "cuda/nvfp4_device.cuh"
-#include "fp4moe/plan.h"
+#include "runtime/plan.h"
 
 namespace fp4moe::cuda_backend {
 

@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "common/activation.h"
-#include "fp4moe/plan.h"
+#include "runtime/plan.h"
 #include "fp4moe/types.h"
 
 namespace fp4moe::cuda_backend {

@@ -1,7 +1,7 @@
 // make_plan: tile configuration, launch grids and workspace layout of the CUDA backend, on the host.
 // Every kernel bound (grid sizes, loop trip counts, buffer sizes) derives from the numbers chosen here;
 // tests/cpp/test_plan.cpp sweeps shapes and checks the invariants the kernels rely on.
-#include "fp4moe/plan.h"
+#include "runtime/plan.h"
 #include "runtime/host_tensor.h"
 
 #include <algorithm>

@@ -4,7 +4,7 @@
 #include <cstdint>
 
 #include "fp4moe/moe.h"
-#include "fp4moe/plan.h"
+#include "runtime/plan.h"
 #include "runtime/prepared.h"
 
 namespace fp4moe {

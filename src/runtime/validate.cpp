@@ -1,6 +1,6 @@
 #include "runtime/validate.h"
 
-#include "fp4moe/plan.h"
+#include "runtime/plan.h"
 #include "runtime/host_tensor.h"
 
 #include <cmath>

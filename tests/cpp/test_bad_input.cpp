@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "fp4moe/fp4moe.h"
-#include "fp4moe/plan.h"
+#include "runtime/plan.h"
 #include "fp4moe/synthetic.h"
 
 using namespace fp4moe;

@@ -1,4 +1,4 @@
-// make_plan / workspace_size (include/fp4moe/plan.h): a CPU sweep over thousands of shapes asserting
+// make_plan / workspace_size (src/runtime/plan.h): a CPU sweep over thousands of shapes asserting
 // every invariant the CUDA kernels rely on, and the refusals of shapes they cannot take.
 #include <gtest/gtest.h>
 
@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "common/tile_order.h"
-#include "fp4moe/plan.h"
+#include "runtime/plan.h"
 
 namespace fp4moe {
 namespace {

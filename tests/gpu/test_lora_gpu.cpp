@@ -19,7 +19,7 @@
 #include <vector>
 
 #include "cuda/kernels.h"
-#include "fp4moe/plan.h"
+#include "runtime/plan.h"
 #include "gpu_harness.h"
 
 namespace fp4moe::gputest {

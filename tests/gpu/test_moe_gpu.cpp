@@ -10,7 +10,7 @@
 #include <random>
 
 #include "cuda/kernels.h"
-#include "fp4moe/plan.h"
+#include "runtime/plan.h"
 #include "gpu_harness.h"
 
 namespace fp4moe::gputest {

@@ -36,7 +36,7 @@
 #include "fp4moe/build_info.h"
 #include "fp4moe/model_shapes.h"
 #include "fp4moe/moe.h"
-#include "fp4moe/plan.h"
+#include "runtime/plan.h"
 #include "fp4moe/synthetic.h"
 #include "runtime/json.h"
 #ifdef FP4MOE_WITH_CUDA
