@@ -175,9 +175,13 @@ CallShape validate_moe_args(const MoeWeights& weights, const MoeArgs& a, const A
     if (se.H != s.H) invalid("shared_expert", "hidden size " + std::to_string(se.H) + " differs from the layer's " + std::to_string(s.H));
     if (se.gated != w.gated) invalid("shared_expert", "gated-ness differs from the routed experts'");
     if (a.shared_params_given) {
-      if (!std::isfinite(a.shared_alpha) || !std::isfinite(a.shared_beta) || std::isnan(a.shared_clamp_limit) ||
-          a.shared_clamp_limit < 0.f || (situ && (a.shared_alpha <= 0.f || a.shared_beta <= 0.f)))
-        invalid("shared_alpha", "shared expert activation parameters out of range");
+      // Each parameter named for itself: finite (and > 0 for Situ); the clamp >= 0 (0 = none) or +inf.
+      if (!std::isfinite(a.shared_alpha) || (situ && a.shared_alpha <= 0.f))
+        invalid("shared_alpha", "expected a finite value (> 0 for Situ), got " + std::to_string(a.shared_alpha));
+      if (!std::isfinite(a.shared_beta) || (situ && a.shared_beta <= 0.f))
+        invalid("shared_beta", "expected a finite value (> 0 for Situ), got " + std::to_string(a.shared_beta));
+      if (std::isnan(a.shared_clamp_limit) || a.shared_clamp_limit < 0.f)
+        invalid("shared_clamp_limit", "expected >= 0 (0 = none) or +inf, got " + std::to_string(a.shared_clamp_limit));
     }
   }
 

@@ -265,3 +265,32 @@ TEST(BadInputBaseline, RegistryOfAnotherSharedExpertIsRefused) {
   EXPECT_NO_THROW(moe_run(f.w, a));
 }
 }  // namespace
+
+namespace {
+// Each shared-expert parameter out of range is named for itself, y untouched.
+TEST(BadInputBaseline, SharedExpertParametersAreNamedEachForItself) {
+  Fixture f;
+  SyntheticLayer s = make_synthetic_shared_expert(kSmall, 32, 41);
+  MoeWeights sw = prepare_weights(s.desc(), Backend::CPU);
+  struct Bad {
+    const char* argument;
+    float alpha, beta, clamp;
+  };
+  for (const Bad b : {Bad{"shared_alpha", NAN, 0.f, 0.f}, Bad{"shared_beta", 1.f, INFINITY, 0.f},
+                      Bad{"shared_clamp_limit", 1.f, 0.f, -1.f}, Bad{"shared_clamp_limit", 1.f, 0.f, NAN}}) {
+    MoeArgs a = f.args();
+    a.shared_expert = &sw;
+    a.shared_params_given = true;
+    a.shared_alpha = b.alpha;
+    a.shared_beta = b.beta;
+    a.shared_clamp_limit = b.clamp;
+    try {
+      moe_run(f.w, a);
+      ADD_FAILURE() << b.argument << " accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.argument(), b.argument) << e.what();
+    }
+    EXPECT_TRUE(f.untouched());
+  }
+}
+}  // namespace
