@@ -413,10 +413,8 @@ size_t py_workspace_size(const MoeWeights& weights, int64_t T, int64_t top_k, bo
   a.mode = static_cast<ActMode>(mode);
   a.shared_expert = shared_expert;
   a.workspace_budget = workspace_budget;
-  check_gemm_tile(gemm_tile);
   a.gemm_tile = static_cast<GemmTile>(gemm_tile);
-  const bool wgmma = gemm_tile >= 0 && kGemmConfigs[gemm_tile].wgmma;
-  return workspace_size(problem_shape(weights.impl(), a, max_lora_rank > 0, max_lora_rank, wgmma));
+  return call_workspace_size(weights.impl(), a, max_lora_rank > 0, max_lora_rank);
 }
 
 // A PEFT adapter directory (adapter_config.json + adapter_model.safetensors) -> one MoE layer's expert LoRA

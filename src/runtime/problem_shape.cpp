@@ -1,7 +1,5 @@
 #include "runtime/problem_shape.h"
 
-#include <algorithm>
-
 #include "runtime/host_tensor.h"
 
 namespace fp4moe {
@@ -34,23 +32,18 @@ ProblemShape problem_shape(const PreparedWeights& w, const MoeArgs& a, bool with
   return s;
 }
 
-int64_t max_loaded_rank(const AdapterSnapshot& adapters) {
-  int64_t r = 1;
-  if (adapters)
-    for (const auto& ad : *adapters)
-      if (ad) r = std::max(r, ad->rank);
-  return r;
+size_t call_workspace_size(const PreparedWeights& weights, const MoeArgs& args, bool with_lora, int64_t lora_rank) {
+  const int tile = static_cast<int>(args.gemm_tile);
+  check_gemm_tile(tile);
+  const bool wgmma = tile >= 0 && kGemmConfigs[tile].wgmma;
+  return workspace_size(problem_shape(weights, args, with_lora, lora_rank, wgmma));
 }
 
 size_t workspace_size(const MoeWeights& weights, const MoeArgs& args) {
   if (!weights.valid()) detail::invalid("weights", "not prepared (call prepare_weights first)");
   if (weights.backend() != Backend::CUDA) return 0;
-  const int tile = static_cast<int>(args.gemm_tile);
-  check_gemm_tile(tile);
-  // Rank unknown (sized for the largest), so that adapters loaded later still fit; a forced wgmma tile is sized
-  // as the device that runs it would.
-  const bool wgmma = tile >= 0 && kGemmConfigs[tile].wgmma;
-  return workspace_size(problem_shape(weights.impl(), args, false, 0, wgmma));
+  // Rank unknown (sized for the largest), so that adapters loaded later still fit.
+  return call_workspace_size(weights.impl(), args, false, 0);
 }
 
 }  // namespace fp4moe

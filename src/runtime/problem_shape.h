@@ -16,7 +16,8 @@ namespace fp4moe {
 ProblemShape problem_shape(const PreparedWeights& weights, const MoeArgs& args, bool with_lora, int64_t lora_rank,
                            bool wgmma);
 
-// The largest adapter rank loaded in a registry snapshot (1 when none is).
-int64_t max_loaded_rank(const AdapterSnapshot& adapters);
+// Workspace bytes of a call (sizing only, any backend's weights): a forced wgmma tile is sized as on a device that
+// runs it. The public workspace_size(weights, args), the bindings and fp4moe_soak size through it.
+size_t call_workspace_size(const PreparedWeights& weights, const MoeArgs& args, bool with_lora, int64_t lora_rank);
 
 }  // namespace fp4moe

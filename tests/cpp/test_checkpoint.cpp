@@ -15,6 +15,7 @@
 
 #include "fp4moe/checkpoint.h"
 #include "fp4moe/moe.h"
+#include "test_helpers.h"
 #include "fp4moe/parallel.h"
 #include "fp4moe/quantize.h"
 #include "runtime/json.h"
@@ -26,20 +27,8 @@ namespace st = fp4moe::safetensors;
 
 namespace {
 
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    path = fs::temp_directory_path() /
-           ("fp4moe_" + std::string(info->test_suite_name()) + "_" + info->name() + "_" + std::to_string(::getpid()));
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-};
+using fp4moe::testutil::TempDir;
+
 
 void write_text(const fs::path& p, const std::string& s) {
   std::ofstream o(p, std::ios::binary | std::ios::trunc);

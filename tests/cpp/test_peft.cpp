@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "fp4moe/moe.h"
+#include "test_helpers.h"
 #include "fp4moe/peft.h"
 #include "fp4moe/quantize.h"
 #include "runtime/json.h"
@@ -26,22 +27,8 @@ namespace st = fp4moe::safetensors;
 
 namespace {
 
-// A fresh temporary directory per test, removed afterwards.
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    path = fs::temp_directory_path() /
-           ("fp4moe_" + std::string(info->test_suite_name()) + "_" + info->name() + "_" + std::to_string(::getpid()));
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  std::string file(const std::string& name) const { return (path / name).string(); }
-};
+using fp4moe::testutil::TempDir;
+
 
 std::vector<uint8_t> bytes_of(const void* p, size_t n) {
   const auto* b = static_cast<const uint8_t*>(p);

@@ -11,6 +11,7 @@
 #endif
 
 #include "check.h"
+#include "cli.h"
 
 #include <fcntl.h>
 #include <sys/wait.h>
@@ -127,20 +128,7 @@ void usage(FILE* f) {
       f);
 }
 
-std::vector<std::string> split_list(const std::string& s) {
-  std::vector<std::string> out;
-  std::string cur;
-  for (char c : s) {
-    if (c == ',') {
-      if (!cur.empty()) out.push_back(cur);
-      cur.clear();
-    } else {
-      cur += c;
-    }
-  }
-  if (!cur.empty()) out.push_back(cur);
-  return out;
-}
+using cli::split_list;
 
 bool parse_int(const char* s, int64_t& out) {
   char* end = nullptr;

@@ -33,10 +33,12 @@
 #include <malloc.h>
 #endif
 
+#include "../fp4moe/cli.h"
 #include "fp4moe/build_info.h"
 #include "fp4moe/model_shapes.h"
 #include "fp4moe/moe.h"
 #include "runtime/plan.h"
+#include "runtime/problem_shape.h"
 #include "fp4moe/synthetic.h"
 #include "runtime/json.h"
 #ifdef FP4MOE_WITH_CUDA
@@ -101,20 +103,7 @@ void usage(FILE* f) {
       f);
 }
 
-std::vector<std::string> split_list(const std::string& s) {
-  std::vector<std::string> out;
-  std::string cur;
-  for (char c : s) {
-    if (c == ',') {
-      if (!cur.empty()) out.push_back(cur);
-      cur.clear();
-    } else {
-      cur += c;
-    }
-  }
-  if (!cur.empty()) out.push_back(cur);
-  return out;
-}
+using cli::split_list;
 
 bool parse_i64(const std::string& s, int64_t& out) {
   char* end = nullptr;
@@ -651,23 +640,18 @@ void Soak::setup_problem() {
 }
 
 size_t Soak::ws_for(int64_t T, int64_t budget) const {
-  ProblemShape ps;
-  ps.T = T;
-  ps.H = H_;
-  ps.I = I_;
-  ps.E_loc = E_loc_;
-  ps.E_total = E_total_;
-  ps.k = k_;
-  ps.gated = is_gated(shape_.activation);
-  ps.activation = shape_.activation;
-  ps.mode = o_.a4 ? ActMode::A4 : ActMode::A16;
-  ps.format = WeightFormat::NVFP4;
-  ps.routing_from_logits = true;
-  ps.n_group = shape_.routing == RoutingMethod::DeepSeekV3 ? shape_.n_group : 1;
-  ps.has_lora = true;
-  ps.max_lora_rank = 0;  // sized for any rank: the registry's largest changes under churn
-  ps.workspace_budget = budget;
-  return workspace_size(ps);
+  MoeArgs a;  // a call of shapes only
+  a.x = make_view(nullptr, DType::BF16, {T, H_});
+  a.routing.method = shape_.routing;
+  a.routing.top_k = k_;
+  a.routing.n_group = shape_.n_group;
+  a.routing.logits = make_view(nullptr, DType::F32, {T, E_total_});
+  a.num_experts_total = E_total_;
+  a.activation.type = shape_.activation;
+  a.mode = o_.a4 ? ActMode::A4 : ActMode::A16;
+  a.workspace_budget = budget;
+  // LoRA sized for any rank: the registry's largest changes under churn.
+  return call_workspace_size(w_.impl(), a, true, 0);
 }
 
 void Soak::setup_layer() {
@@ -1089,7 +1073,6 @@ int Soak::run() {
     stream_ = stream_holder.s;
   }
 #endif
-  if (cuda()) chunk_budget_ = std::max<int64_t>(1, static_cast<int64_t>(ws_for(max_T_, 0) / 8));  // ~8 chunks at max T
   rng_.seed(o_.seed * 131 + 7);
   std::printf("fp4moe_soak: backend %s, shape %s: H=%lld I=%lld, %lld local experts of %lld (window at %lld), k=%lld, %s "
               "routing, %s, %s, NVFP4 %s\n",
@@ -1098,6 +1081,7 @@ int Soak::run() {
               o_.a4 ? "A4" : "A16", order_ == GateUpOrder::UpFirst ? "up-first" : "gate-first");
   std::fflush(stdout);
   setup_layer();
+  if (cuda()) chunk_budget_ = std::max<int64_t>(1, static_cast<int64_t>(ws_for(max_T_, 0) / 8));  // ~8 chunks at max T
   setup_specs();
 
   // References: a fresh registry holding only the stable adapters, in the same slots, with the same content.
