@@ -257,6 +257,14 @@ inline std::unique_ptr<GpuCall> make_gpu_call(const Case& c, const Inputs& in, c
   return g;
 }
 
+// FP4MOE_TEST_LIGHT=1, for runs under compute-sanitizer (every launch 10-100x slower): the tests that repeat one
+// kind of case many times run a few of them; every test, tile and activation still runs.
+inline bool light_mode() {
+  const char* v = std::getenv("FP4MOE_TEST_LIGHT");
+  return v != nullptr && std::atoi(v) != 0;
+}
+inline int repeats(int full, int light) { return light_mode() ? light : full; }
+
 // Waits for the stream with a watchdog: a kernel that does not finish in `seconds` fails the test and
 // aborts the binary (a hang must never stall the suite). FP4MOE_TEST_WATCHDOG_SCALE stretches it for runs under
 // compute-sanitizer, whose instrumented kernels run many times slower.

@@ -5,7 +5,9 @@
 #   BIN     folder holding fp4moe_gpu_tests and fp4moe_soak (default build; built here when absent)
 #   STEPS   any of: tests soak sanitize fuzz (default all four)
 #   BUDGET  seconds for the whole script (default 560)
-#   SOAK_FLAGS, SAN_SHARDS (processes a tool, default 4), SAN_CAP (seconds a process, default 420),
+#   TESTS_CAP (seconds for the plain GPU suite, default 300), SOAK_FLAGS,
+#   SAN_TOOLS (default: memcheck racecheck synccheck initcheck), SAN_SHARDS (processes a tool, default 4),
+#   SAN_CAP (seconds a process, default 420), SAN_BARRIERS (synccheck's --num-cuda-barriers, default 65536),
 #   FUZZ_EXAMPLES (examples a fuzz property, default 2000)
 # Every step's log is in OUTDIR; the lines that matter are copied into OUTDIR/0-summary.log.
 set -u
@@ -16,6 +18,8 @@ BIN=${BIN:-build}
 STEPS=${STEPS:-tests soak sanitize fuzz}
 SAN_SHARDS=${SAN_SHARDS:-4}
 SAN_CAP=${SAN_CAP:-420}
+SAN_TOOLS=${SAN_TOOLS:-memcheck racecheck synccheck initcheck}
+SAN_BARRIERS=${SAN_BARRIERS:-65536}
 . "$(dirname "$0")/lib.sh"
 header reliability_run
 export PATH=/usr/local/cuda/bin:$PATH
@@ -34,7 +38,7 @@ if has fuzz; then
 fi
 
 if has tests; then
-  step gpu_tests 240 "$BIN/fp4moe_gpu_tests"
+  step gpu_tests "${TESTS_CAP:-300}" "$BIN/fp4moe_gpu_tests"
   grep -E '^\[  (PASSED|FAILED|SKIPPED) |^\[==========\]|^GpuFaults' "$LOGS/gpu_tests.log" | tee -a "$S"
 fi
 
@@ -46,26 +50,32 @@ fi
 if has sanitize; then
   # Every GPU test under each tool, the suite split into shards that share the GPU; the test that fills the
   # device's memory runs alone afterwards, since it would starve the others.
+  # The tests' light mode (gpu_harness.h) keeps every test but few repeats of one kind of case.
   alone=GpuFaults.DeviceMemoryExhausted
-  export FP4MOE_TEST_WATCHDOG_SCALE=20
+  export FP4MOE_TEST_WATCHDOG_SCALE=20 FP4MOE_TEST_LIGHT=1
+  ntools=$(echo $SAN_TOOLS | wc -w)
+  cap=$(( $(left) - 70 * ntools - 20 )); [ "$cap" -gt "$SAN_CAP" ] && cap=$SAN_CAP
+  say "== sanitizers: $SAN_TOOLS, $SAN_SHARDS shards each, $cap s a process"
   pids=()
-  for tool in memcheck racecheck synccheck initcheck; do
+  for tool in $SAN_TOOLS; do
+    flags=""
+    [ "$tool" = synccheck ] && flags="--num-cuda-barriers $SAN_BARRIERS"
     for ((i = 0; i < SAN_SHARDS; i++)); do
-      ( GTEST_TOTAL_SHARDS=$SAN_SHARDS GTEST_SHARD_INDEX=$i timeout -s KILL "$SAN_CAP" \
-          compute-sanitizer --tool "$tool" --print-limit 20 "$BIN/fp4moe_gpu_tests" --gtest_filter="-$alone" \
+      ( GTEST_TOTAL_SHARDS=$SAN_SHARDS GTEST_SHARD_INDEX=$i timeout -s KILL "$cap" \
+          compute-sanitizer --tool "$tool" $flags --print-limit 20 "$BIN/fp4moe_gpu_tests" --gtest_filter="-$alone" \
           > "$LOGS/san-$tool-$i.log" 2>&1; echo "rc=$?" >> "$LOGS/san-$tool-$i.log" ) &
       pids+=($!)
     done
   done
   wait "${pids[@]}"
-  for tool in memcheck racecheck synccheck initcheck; do
-    timeout -s KILL 120 compute-sanitizer --tool "$tool" "$BIN/fp4moe_gpu_tests" --gtest_filter="$alone" \
+  for tool in $SAN_TOOLS; do
+    timeout -s KILL 60 compute-sanitizer --tool "$tool" "$BIN/fp4moe_gpu_tests" --gtest_filter="$alone" \
       > "$LOGS/san-$tool-alone.log" 2>&1; echo "rc=$?" >> "$LOGS/san-$tool-alone.log"
   done
   for f in "$LOGS"/san-*.log; do
     say "$(basename "$f" .log): $(grep -h 'ERROR SUMMARY' "$f" | tail -1) | $(grep -hE '^\[  (PASSED|FAILED) ' "$f" | tr '\n' ' ') $(tail -1 "$f")"
   done
-  unset FP4MOE_TEST_WATCHDOG_SCALE
+  unset FP4MOE_TEST_WATCHDOG_SCALE FP4MOE_TEST_LIGHT
   # The sanitizer logs are many: one archive of them comes back.
   tar -cJf "$LOGS/sanitizer-logs.tar.xz" -C "$LOGS" $(cd "$LOGS" && ls san-*.log) && rm -f "$LOGS"/san-*.log
 fi
