@@ -7,7 +7,7 @@
 #   BUDGET  seconds for the whole script (default 560)
 #   TESTS_CAP (seconds for the plain GPU suite, default 300), SOAK_FLAGS,
 #   SAN_TOOLS (default: memcheck racecheck synccheck initcheck), SAN_SHARDS (processes a tool, default 4),
-#   SAN_CAP (seconds a process, default 420), SAN_BARRIERS (synccheck's --num-cuda-barriers, default 65536),
+#   SAN_CAP (seconds a process, default 420), SAN_BARRIERS (synccheck's --num-cuda-barriers: per block, default 16),
 #   FUZZ_EXAMPLES (examples a fuzz property, default 2000)
 # Every step's log is in OUTDIR; the lines that matter are copied into OUTDIR/0-summary.log.
 set -u
@@ -19,7 +19,7 @@ STEPS=${STEPS:-tests soak sanitize fuzz}
 SAN_SHARDS=${SAN_SHARDS:-4}
 SAN_CAP=${SAN_CAP:-420}
 SAN_TOOLS=${SAN_TOOLS:-memcheck racecheck synccheck initcheck}
-SAN_BARRIERS=${SAN_BARRIERS:-65536}
+SAN_BARRIERS=${SAN_BARRIERS:-16}
 . "$(dirname "$0")/lib.sh"
 header reliability_run
 export PATH=/usr/local/cuda/bin:$PATH
