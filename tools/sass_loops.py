@@ -6,7 +6,7 @@ so this is the first check of a mainloop change before any device time is spent.
 
 Usage:
   nvcc -O3 -DNDEBUG -Xcompiler=-fPIC --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a -std=c++20 \\
-       -DFP4MOE_WITH_CUDA=1 -Iinclude -Isrc -c src/cuda/gemm_nvfp4.cu -o /tmp/g.o
+       -DFP4MOE_WITH_CUDA=1 -Iinclude -Isrc -c src/cuda/gemm/gemm_nvfp4.cu -o /tmp/g.o
   cuobjdump -sass /tmp/g.o > /tmp/g.sass
   python3 tools/sass_loops.py /tmp/g.sass 'Li8ELi128.*Epilogue2' [--list]
 

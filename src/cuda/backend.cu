@@ -207,7 +207,7 @@ void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& a
   };
 
   // A4 without LoRA (whose shrink reads a before the rounding) on a tile that can: GEMM1 writes a's NVFP4 values
-  // itself (one launch less; the same bits, gemm_skinny.cuh fused_a4_store).
+  // itself (one launch less; the same bits, gemm/epilogue_a4.cuh).
   const bool a4_fused = a4 && !lora && gemm_a4_fusable(plan.gemm_config, s.activation);
   // A4: GEMM1's bf16 output a [rows, width] -> NVFP4 values in place, with the FC2 input encode scale
   // (row_count: the routed rows actually present, on the device; null: all rows).

@@ -1,8 +1,7 @@
 // Internal interface of the CUDA backend: the prepared device weights and the parameter blocks and
-// host launchers of each kernel. Layering (CUTLASS-like):
-//   nvfp4_device.cuh, mma.cuh   tile math: decode, quantize, tensor-core fragments
-//   gemm_mainloop.cuh           one block tile: stage pipeline (bulk copies / cp.async) + decode + mma.sync
-//   gemm_grouped.cuh            scheduling (tile -> expert, rows) and the epilogues
+// host launchers of each kernel. Layering (CUTLASS-like; docs/architecture.md draws it):
+//   nvfp4_device.cuh, mma.cuh, wgmma*.cuh   tile math: decode, quantize, tensor-core fragments
+//   gemm/                       the grouped GEMM: tile table, pipeline, mainloops, epilogues, scheduler, kernels
 //   *.cu                        host launchers (this header), backend.cu orchestrates a call.
 #pragma once
 #include <cuda_runtime.h>
@@ -186,7 +185,7 @@ struct PermuteParams {
   int k = 1;
 };
 
-// A grouped GEMM: C[r, :] = A[row(r), :] . B_e^T for the rows r of each tile; see gemm_grouped.cuh.
+// A grouped GEMM: C[r, :] = A[row(r), :] . B_e^T for the rows r of each tile; see gemm/kernel_*.cuh.
 struct GemmProblem {
   const uint16_t* A = nullptr;     // bf16 rows
   int64_t lda = 0;                 // elements
@@ -240,9 +239,9 @@ struct Epilogue2Params {
   LoraExpandParams lora;        // + bf16(t2 . B2_e^T); SharedOuter's shared B2 is left to the combine
 };
 
-// Whether GEMM1 on tile `config` quantizes a itself in A4 (Epilogue1Params::a_quant_gs, gemm_skinny.cuh
-// fused_a4_store): the weights-as-A tiles with two row groups of 16 a warp (mma.sync), gated activations. (The kernel's
-// own condition is checked against this one at compile time: gemm_launch.cuh.)
+// Whether GEMM1 on tile `config` quantizes a itself in A4 (Epilogue1Params::a_quant_gs, gemm/epilogue_a4.cuh):
+// the weights-as-A tiles with two row groups of 16 a warp (mma.sync), gated activations. (The kernel's own
+// condition is checked against this one at compile time: gemm/dispatch.cuh.)
 constexpr bool gemm_a4_fusable(int config, ActivationType a) {
   const GemmConfig& c = kGemmConfigs[config];
   return c.weights_as_a && !c.wgmma && c.bn == 32 * c.warps_n && is_gated(a);

@@ -9,8 +9,8 @@
 // the first step with their first four and the second with their last four (the same k on both operands; past K
 // zeros). An output depends on its own A row and input row only, not on which rows share its mma, so the
 // per-token, per-row and tiled kernels give the same bits (tested), and a token's bits never depend on the other
-// tokens or on their adapters. (Version 8's order, a warp's lanes over 8-element chunks with fp32 FMA then a
-// butterfly, ran on the CUDA cores: kimi_k3_tp8 T=4096's tiled shrink of x was 534 us, issue-bound, ncu.)
+// tokens or on their adapters. (An earlier order, fp32 FMA on the CUDA cores then a butterfly, was issue-bound:
+// bench/NOTES.md.)
 #include <algorithm>
 #include <string>
 

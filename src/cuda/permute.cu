@@ -204,9 +204,8 @@ __global__ void place_kernel(PermuteParams p) {
 // One block per (local expert, segment of kMaxOrderRows rows): the segment's rows re-ordered in place by (token
 // slot, entry); the rank of a row is the number of the segment's rows before it in that order. A larger expert's
 // segments are ordered each on its own: its GEMM tiles (rows from a multiple of bm, which divides kMaxOrderRows)
-// still mostly hold one adapter. (Experts above kMaxOrderRows rows once kept their entry order: mixtral_8x7b at
-// T=16384 in one chunk has 4096 rows an expert, every tile then held all eight adapters and the expand ran eight
-// passes a token group: 50.3 ms against 33.0 without LoRA, H200 session 12 r4.)
+// still mostly hold one adapter (in entry order, every tile of a large expert held all its adapters and the expand
+// ran a pass per adapter: bench/NOTES.md).
 constexpr int kMaxOrderRows = 2048;
 constexpr bool every_tile_divides_order_rows() {
   for (const GemmConfig& c : kGemmConfigs)

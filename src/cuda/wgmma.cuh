@@ -1,4 +1,4 @@
-// wgmma (sm_90a): the warpgroup MMA of the Hopper tile (gemm_skinny.cuh with SkinnyConfig's WGMMA flag). The
+// wgmma (sm_90a): the warpgroup MMA of the Hopper tile (gemm/mainloop_wgmma.cuh, the Wgmma64 tile). The
 // weights are the register A operand (decoded NVFP4, the same fragments as mma.sync's A), the tokens the
 // shared-memory B operand, in the 128-byte-swizzled rows the TileLoader writes (row r's 16-byte chunk c at
 // r * 128 + ((c ^ (r & 7)) << 4), 1024-byte aligned stage): wgmma's SWIZZLE_128B K-major layout.

@@ -51,10 +51,11 @@ struct WorkspaceBuffer {
 struct GemmConfig {
   int bm = 0, bn = 0, bk = 0;       // block tile: rows (tokens), columns (weight rows), K step
   int warps_m = 0, warps_n = 0;     // warp grid
-  int stages = 0;                   // shared-memory pipeline depth (src/cuda/gemm_mainloop.cuh StagePipe)
-  bool weights_as_a = false;        // src/cuda/gemm_skinny.cuh: weights as the mma A operand, bn / warps_n rows a warp
+  int stages = 0;                   // shared-memory pipeline depth (src/cuda/gemm/pipeline.cuh StagePipe)
+  bool weights_as_a = false;        // weights as the MMA A operand, bn / warps_n rows a warp
+                                    // (src/cuda/gemm/kernel_weights_as_a.cuh)
   bool wgmma = false;               // the sm_90a warpgroup MMA (src/cuda/wgmma.cuh): ProblemShape::wgmma devices only;
-                                    // its chunk sums live in shared memory (src/cuda/gemm_skinny.cuh)
+                                    // its chunk sums live in shared memory (gemm/kernel_weights_as_a.cuh)
   constexpr int threads() const { return 32 * warps_m * warps_n; }
 };
 
@@ -178,7 +179,7 @@ inline constexpr GemmConfig kGemmConfigs[kNumGemmConfigs] = {
 };
 constexpr int gemm_stages(const GemmConfig& g, bool) { return g.stages; }
 // The stage bytes of a tile (tokens, weights, their scales) and its dynamic shared memory: a wgmma tile's stages
-// start 1024-byte aligned (the 128-byte swizzle's atom), with 1 KB to align the base (src/cuda/gemm_mainloop.cuh).
+// start 1024-byte aligned (the 128-byte swizzle's atom), with 1 KB to align the base (src/cuda/gemm/tile_config.cuh).
 constexpr int64_t gemm_stage_bytes(const GemmConfig& g, bool fp4) {
   const int64_t b = fp4 ? g.bn * (g.bk / 2 + g.bk / 16) : g.bn * g.bk * 2, raw = g.bm * g.bk * 2 + b;
   return g.wgmma ? (raw + 1023) / 1024 * 1024 : raw;

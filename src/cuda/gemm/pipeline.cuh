@@ -1,107 +1,20 @@
-// One block tile of the grouped GEMM: acc[BM x BN] = A[rows, 0:K] . B[n0:n0+BN, 0:K]^T, fp32.
-// A (bf16 activations, gathered rows) and B (prepared NVFP4 or bf16 weights, kernels.h layout) stream
-// through a STAGES-deep pipeline in K steps of 64 (TileLoader, StagePipe: B and its scales by bulk copies on
-// an mbarrier per stage on sm_90, A by cp.async); B is decoded from shared memory straight
-// into mma.sync B fragments (NVFP4: e2m1 * e4m3 * 2^-8 in bf16, exact; format/nvfp4_prepared.h), A comes in
-// with ldmatrix. The kernels multiply the fp32 sums by kProductScale before their epilogues.
-// The K order is the same for every tile configuration: each output's sum is the same chain of mma
-// steps k = 0, 16, 32, ... whatever BM, so results do not depend on the tile choice (batch invariance).
+// The shared-memory pipeline of a block tile: TileLoader issues one k-block's copies (weights and scales by bulk
+// copies on an mbarrier per stage on sm_90, tokens by cp.async), StagePipe cycles the STAGES stages, TilePipeline
+// is the interface a mainloop sees (next stage, release, finish).
 #pragma once
 #include <cstdint>
 
-#include "cuda/kernels.h"
+#include "cuda/gemm/scheduler.cuh"
+#include "cuda/gemm/tile_config.cuh"
 #include "cuda/mma.cuh"
-#include "cuda/nvfp4_device.cuh"
-#include "runtime/plan.h"
 
 namespace fp4moe::cuda_backend {
 
-// WEIGHTS_AS_A: the block tile of gemm_skinny.cuh (same stages, tokens as the mma B operand); WGMMA: its sm_90a
-// form (wgmma.cuh), stages 1024-byte aligned.
-template <int BM_, int BN_, int WARPS_M_, int WARPS_N_, int STAGES_, bool FP4_, bool WEIGHTS_AS_A_ = false,
-          bool WGMMA_ = false>
-struct TileConfig {
-  static constexpr int BM = BM_, BN = BN_, BK = 64, WARPS_M = WARPS_M_, WARPS_N = WARPS_N_, STAGES = STAGES_;
-  static constexpr bool FP4 = FP4_, WEIGHTS_AS_A = WEIGHTS_AS_A_, WGMMA = WGMMA_;
-  static constexpr GemmConfig kPlan{BM, BN, BK, WARPS_M, WARPS_N, STAGES, WEIGHTS_AS_A, WGMMA};  // plan.h's view
-  static constexpr int THREADS = 32 * WARPS_M * WARPS_N;
-  static constexpr int BLOCK_THREADS = THREADS;
-  static constexpr int WTM = BM / WARPS_M, WTN = BN / WARPS_N;  // warp tile
-  static constexpr int MT = WTM / 16, NT = WTN / 8;             // mma tiles per warp
-  static constexpr int B_ROW_BYTES = FP4 ? 32 : 128;            // one row's 64 K of prepared weights
-  static constexpr int A_BYTES = BM * BK * 2;
-  static constexpr int B_BYTES = BN * B_ROW_BYTES;
-  static constexpr int SF_BYTES = FP4 ? BN * 4 : 0;
-  static constexpr int STAGE_BYTES = static_cast<int>(gemm_stage_bytes(kPlan, FP4));
-  static constexpr int SMEM_BYTES = static_cast<int>(gemm_smem_bytes(kPlan, FP4));
-  static constexpr int A_CHUNKS = (BM * 8 + THREADS - 1) / THREADS;  // 16-byte A chunks per thread per stage
-  static_assert(STAGE_BYTES >= A_BYTES + B_BYTES + SF_BYTES, "stage layout");
-  static_assert(BM % (WEIGHTS_AS_A ? 8 : 16 * WARPS_M) == 0 && BN % (8 * WARPS_N) == 0, "warp tiling");
-  static_assert((BM * 8) % THREADS == 0 || BM * 8 < THREADS, "A chunks per thread");
-  static_assert(B_BYTES % 16 == 0 && SF_BYTES % 16 == 0, "16-byte chunks");
-  static_assert(!WGMMA || (WEIGHTS_AS_A && WARPS_N % 4 == 0 && A_BYTES % 1024 == 0), "wgmma: warpgroups, aligned B");
-};
-
-// The stages' base in the dynamic shared memory: a wgmma tile's is rounded up to 1024 bytes (SMEM_BYTES holds
-// the extra kilobyte), the swizzle atom that the token tile's descriptors assume.
-template <class C> __device__ __forceinline__ uint8_t* stage_base(uint8_t* smem) {
-  if constexpr (!C::WGMMA) return smem;
-  else return smem + ((1024u - (dev::smem_addr(smem) & 1023u)) & 1023u);
-}
-
-// The (token, slot) entry of permuted row r (dense problems: the row itself).
-__device__ __forceinline__ int entry_of(const GemmProblem& g, int r) { return g.row_entry ? g.row_entry[r] : r; }
-
-// The canonical K order of every GEMM here (batch invariance, SPEC §4): K is cut into chunks of
-// kKChunk (plan.h); each chunk is one chain of m16n8k16 steps k = 0, 16, 32, ... from a zero accumulator, and
-// an output is the fp32 sum of its chunk sums in chunk order. A tile may take a range of chunks
-// (split-K over blocks, gemm_skinny.cuh): the chunk sums are then added in the same order by the last block.
-constexpr int kChunkBlocks = static_cast<int>(kKChunk / 64);
-
-// The range of k-blocks [begin, end) of split z of `splits`, in whole chunks; KB = k-blocks of K.
-struct KRange {
-  int begin, end;
-};
-__device__ __forceinline__ KRange k_range(int KB, int z, int splits) {
-  const int chunks = (KB + kChunkBlocks - 1) / kChunkBlocks;
-  const int per = (chunks + splits - 1) / splits;
-  const int b = min(KB, z * per * kChunkBlocks);
-  return KRange{b, min(KB, b + per * kChunkBlocks)};
-}
-
-// A finished chunk's chain added to the running sums in chunk order (the first chunk starts them).
-template <int N> __device__ __forceinline__ void add_chunk(float (&acc)[N][4], const float (&part)[N][4], bool first) {
-#pragma unroll
-  for (int i = 0; i < N; ++i)
-#pragma unroll
-    for (int q = 0; q < 4; ++q) acc[i][q] = first ? part[i][q] : __fadd_rn(acc[i][q], part[i][q]);
-}
-// The same, the running sums in shared memory: float4 i of them at sums[i * kStride].
-template <int kStride, int N>
-__device__ __forceinline__ void add_chunk_shared(float4* sums, const float (&part)[N][4], bool first) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) {
-    float4 v = make_float4(part[i][0], part[i][1], part[i][2], part[i][3]);
-    if (!first) {
-      const float4 s = sums[i * kStride];
-      v = make_float4(__fadd_rn(s.x, v.x), __fadd_rn(s.y, v.y), __fadd_rn(s.z, v.z), __fadd_rn(s.w, v.w));
-    }
-    sums[i * kStride] = v;
-  }
-}
-// Prepared NVFP4 sums times kProductScale (format/nvfp4_prepared.h): the sums of the true products.
-template <int N> __device__ __forceinline__ void unscale_products(float (&acc)[N][4]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i)
-#pragma unroll
-    for (int q = 0; q < 4; ++q) acc[i][q] *= nvfp4_prepared::kProductScale;
-}
-
 // The copies of one k-block of a block tile (both kernels). The weight rows [n0, n0 + BN) of a k-block are one
-// contiguous run in the prepared layout, and so are their scales: on sm_90 one thread moves each with a bulk copy (the TMA unit)
-// that completes on the stage's mbarrier, so the copy issue costs the other threads nothing (the per-thread
-// cp.async issue was a quarter of the decode loop's instructions). Rows past N are not copied (their outputs are
-// never stored). Before sm_90 the same runs go by cp.async, 16 bytes a thread, rows past N zero-filled. The
+// contiguous run in the prepared layout, and so are their scales: on sm_90 one thread moves each with a bulk copy
+// (the TMA unit) that completes on the stage's mbarrier, so the copy issue costs the other threads nothing (the
+// per-thread cp.async issue was a quarter of the decode loop's instructions). Rows past N are not copied (their
+// outputs are never stored). Before sm_90 the same runs go by cp.async, 16 bytes a thread, rows past N zero-filled. The
 // token rows (gathered; zero past K) always go by cp.async. Every source pointer advances one k-block a load
 // and always points into its buffer (a copy that is off reads nothing but still needs a valid address).
 // (FP4MOE_GEMM_CP_ASYNC, a test build's define, takes the cp.async path on sm_90 too, so the H200 runs it.)
@@ -247,8 +160,7 @@ template <class C> struct StagePipe {
   // The shared-space address of the next k-block's stage, its copies landed and visible to every thread.
   __device__ __forceinline__ uint32_t next(TileLoader<C>& ld) {
     dev::cp_async_wait<kAhead - 1>();
-    // The tokens (cp.async) are read by wgmma (the async proxy): the PTX memory model asks for this fence (its
-    // cost measured on the H200: 2 %, session8-dev run 4).
+    // The tokens (cp.async) are read by wgmma (the async proxy): the PTX memory model asks for this fence.
     if constexpr (C::WGMMA) dev::fence_proxy_async();
     __syncthreads();
     const uint32_t sstage = sbase + rd * C::STAGE_BYTES;
@@ -263,7 +175,7 @@ template <class C> struct StagePipe {
   }
 };
 
-// The copies of a skinny tile: every thread loads its share (TileLoader + StagePipe); next() returns the next
+// The copies of a weights-as-A tile: every thread loads its share (TileLoader + StagePipe); next() returns the next
 // k-block's stage, and the release calls are no-ops (__syncthreads frees the stages).
 template <class C> struct TilePipeline {
   TileLoader<C> ld;
@@ -281,82 +193,5 @@ template <class C> struct TilePipeline {
 
 // __syncthreads for the math threads (every thread of the block computes).
 template <class C> __device__ __forceinline__ void math_sync() { __syncthreads(); }
-
-template <class Cfg> struct MainLoop {
-  using C = Cfg;
-  float acc[C::MT][C::NT][4];  // the sum over the chunks done
-  float part[C::MT][C::NT][4];  // the chain of the current chunk
-
-  // after_issue() runs once the first stages' copies are issued (work to overlap with them, e.g. the LoRA lookups).
-  template <class AfterIssue>
-  __device__ __forceinline__ void run(uint8_t* smem, TileLoader<C>& ld, int KB, AfterIssue&& after_issue) {
-    StagePipe<C> pipe(smem, ld, KB);
-    after_issue();
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int wm = warp / C::WARPS_N, wn = warp % C::WARPS_N;
-    const int g = lane >> 2, t = lane & 3;
-
-    for (int kb = 0; kb < KB; ++kb) {
-      const uint32_t sstage = pipe.next(ld);  // A: ldmatrix's shared-space address
-      if (kb % kChunkBlocks == 0) {
-#pragma unroll
-        for (int i = 0; i < C::MT; ++i)
-#pragma unroll
-          for (int j = 0; j < C::NT; ++j)
-#pragma unroll
-            for (int q = 0; q < 4; ++q) part[i][j][q] = 0.f;
-      }
-      const uint8_t* sB = smem + (sstage - pipe.sbase) + C::A_BYTES;
-      const uint8_t* sSF = sB + C::B_BYTES;
-
-      // B fragments of this warp for the 4 k16 steps.
-      uint32_t bfrag[C::NT][4][2];
-#pragma unroll
-      for (int nt = 0; nt < C::NT; ++nt) {
-        const int row = wn * C::WTN + nt * 8 + g;
-        if constexpr (C::FP4) {
-          uint32_t w[4][2];
-          dev::fp4_row_fragments(*reinterpret_cast<const uint2*>(sB + row * 32 + t * 8),
-                                 *reinterpret_cast<const uint32_t*>(sSF + row * 4), w);
-#pragma unroll
-          for (int s = 0; s < 4; ++s) {
-            bfrag[nt][s][0] = w[s][0];
-            bfrag[nt][s][1] = w[s][1];
-          }
-        } else {
-          const uint4 q0 = *reinterpret_cast<const uint4*>(sB + row * 128 + t * 32);
-          const uint4 q1 = *reinterpret_cast<const uint4*>(sB + row * 128 + t * 32 + 16);
-          bfrag[nt][0][0] = q0.x; bfrag[nt][0][1] = q0.y;
-          bfrag[nt][1][0] = q0.z; bfrag[nt][1][1] = q0.w;
-          bfrag[nt][2][0] = q1.x; bfrag[nt][2][1] = q1.y;
-          bfrag[nt][3][0] = q1.z; bfrag[nt][3][1] = q1.w;
-        }
-      }
-#pragma unroll
-      for (int s = 0; s < 4; ++s) {
-        uint32_t afrag[C::MT][4];
-#pragma unroll
-        for (int mt = 0; mt < C::MT; ++mt) {
-          const int arow = wm * C::WTM + mt * 16 + (lane & 15);
-          const int ch = 2 * s + (lane >> 4);
-          dev::ldmatrix_x4(afrag[mt], sstage + arow * 128 + ((ch ^ (arow & 7)) << 4));
-        }
-#pragma unroll
-        for (int mt = 0; mt < C::MT; ++mt)
-#pragma unroll
-          for (int nt = 0; nt < C::NT; ++nt) dev::mma_bf16_16816(part[mt][nt], afrag[mt], bfrag[nt][s]);
-      }
-      if (kb % kChunkBlocks == kChunkBlocks - 1 || kb == KB - 1) {  // chunk done: add it in chunk order
-#pragma unroll
-        for (int i = 0; i < C::MT; ++i) add_chunk(acc[i], part[i], kb < kChunkBlocks);
-      }
-    }
-    dev::cp_async_wait<0>();
-    if constexpr (C::FP4) {
-#pragma unroll
-      for (int i = 0; i < C::MT; ++i) unscale_products(acc[i]);
-    }
-  }
-};
 
 }  // namespace fp4moe::cuda_backend

@@ -1,5 +1,5 @@
 // Grouped GEMM instantiations for NVFP4 weights (all tile configs and activations).
-#include "cuda/gemm_launch.cuh"
+#include "cuda/gemm/dispatch.cuh"
 
 namespace fp4moe::cuda_backend {
 void launch_gemm1_nvfp4(int config, ActivationType at, const GemmProblem& g, const Epilogue1Params& e, int n_tiles,

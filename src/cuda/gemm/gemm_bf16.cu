@@ -1,5 +1,5 @@
 // Grouped GEMM instantiations for bf16 weights, and the format dispatch of kernels.h.
-#include "cuda/gemm_launch.cuh"
+#include "cuda/gemm/dispatch.cuh"
 
 namespace fp4moe::cuda_backend {
 void launch_gemm1_nvfp4(int, ActivationType, const GemmProblem&, const Epilogue1Params&, int, int, cudaStream_t);

@@ -1,0 +1,68 @@
+// Host side of the grouped GEMMs: picks the kernel for (tile, weight format, activation) and launches it.
+// Included by one .cu per weight format (gemm_nvfp4.cu, gemm_bf16.cu) so the instantiations compile in parallel.
+#pragma once
+#include <algorithm>
+
+#include "cuda/gemm/kernel_tokens_as_a.cuh"
+#include "cuda/gemm/kernel_weights_as_a.cuh"
+#include "cuda/gemm/tile_config.cuh"
+
+namespace fp4moe::cuda_backend {
+
+// The host's A4 fusion flag (kernels.h gemm_a4_fusable) must name exactly the tiles whose kernel quantizes a
+// (weights_as_a_gemm_kernel with two row groups of 16 a warp: epilogue_a4.cuh), or a would reach GEMM2
+// unquantized or twice.
+template <GemmTile T> constexpr bool a4_fusion_matches() {
+  using C = TileOf<T, true>;
+  constexpr int I = static_cast<int>(T);
+  constexpr bool kernel_fuses = C::WEIGHTS_AS_A && C::BN == 32 * C::WARPS_N;
+  return gemm_a4_fusable(I, ActivationType::Swiglu) == kernel_fuses && !gemm_a4_fusable(I, ActivationType::Silu);
+}
+static_assert(a4_fusion_matches<GemmTile::SplitKDecode>() && a4_fusion_matches<GemmTile::WeightsAsA32>() &&
+                  a4_fusion_matches<GemmTile::TokensAsA64>() && a4_fusion_matches<GemmTile::Wgmma64>(),
+              "gemm_a4_fusable differs from the kernels' fused A4 epilogue");
+
+template <class Cfg, class Epi, class Act>
+void launch_grouped(const GemmProblem& g, const typename Epi::Params& ep, int n_tiles, int m_tiles,
+                    cudaStream_t stream) {
+  if (n_tiles <= 0 || m_tiles <= 0) return;
+  auto kernel = [] {
+    if constexpr (Cfg::WEIGHTS_AS_A) return weights_as_a_gemm_kernel<Cfg, Epi, Act>;
+    else return tokens_as_a_gemm_kernel<Cfg, Epi, Act>;
+  }();
+  if (Cfg::SMEM_BYTES > 48 * 1024)
+    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::SMEM_BYTES),
+               "cudaFuncSetAttribute(grouped_gemm_kernel)");
+  const unsigned splits = Cfg::WEIGHTS_AS_A ? static_cast<unsigned>(g.split) : 1u;  // split-K: weights-as-A tiles only
+  const dim3 grid(static_cast<unsigned>(m_tiles), static_cast<unsigned>(n_tiles), splits);
+  launch_pdl(kernel, grid, dim3(Cfg::BLOCK_THREADS), Cfg::SMEM_BYTES, stream, "grouped_gemm_kernel", g, ep);
+}
+
+// Calls f with a value of the tile type that the plan's tile index `config` names (TileOf, one weight format).
+template <bool FP4, class F> void with_tile(int config, F&& f) {
+  switch (static_cast<GemmTile>(config)) {
+    case GemmTile::SplitKDecode: f(TileOf<GemmTile::SplitKDecode, FP4>{}); break;
+    case GemmTile::WeightsAsA32: f(TileOf<GemmTile::WeightsAsA32, FP4>{}); break;
+    case GemmTile::TokensAsA64: f(TileOf<GemmTile::TokensAsA64, FP4>{}); break;
+    default: f(TileOf<GemmTile::Wgmma64, FP4>{}); break;
+  }
+}
+
+// The instantiations of one weight format: every tile for GEMM1 x every activation, and for GEMM2.
+template <bool FP4> void launch_gemm1_fmt(int config, ActivationType at, const GemmProblem& g, const Epilogue1Params& e,
+                                          int n_tiles, int m_tiles, cudaStream_t stream) {
+  act::dispatch(at, [&](auto fn) {
+    with_tile<FP4>(config, [&](auto tile) {
+      launch_grouped<decltype(tile), Epilogue1, decltype(fn)>(g, e, n_tiles, m_tiles, stream);
+    });
+  });
+}
+
+template <bool FP4> void launch_gemm2_fmt(int config, const GemmProblem& g, const Epilogue2Params& e, int n_tiles,
+                                          int m_tiles, cudaStream_t stream) {
+  with_tile<FP4>(config, [&](auto tile) {
+    launch_grouped<decltype(tile), Epilogue2, act::Identity>(g, e, n_tiles, m_tiles, stream);
+  });
+}
+
+}  // namespace fp4moe::cuda_backend

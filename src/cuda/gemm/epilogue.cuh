@@ -1,0 +1,182 @@
+// The per-output arithmetic of the two GEMMs' epilogues, shared by every tile: GEMM1 (scales, bias, delta, LoRA
+// delta, activation, bf16 a and the bridge act_out) and GEMM2 (scale, bias, LoRA delta, fp32 o per entry).
+#pragma once
+#include <cstdint>
+#include <type_traits>
+
+#include "common/activation.h"
+#include "cuda/gemm/scheduler.cuh"
+#include "cuda/nvfp4_device.cuh"
+
+namespace fp4moe::cuda_backend {
+
+template <class A> constexpr bool kGatedAct =
+    !(std::is_same_v<A, act::Gelu> || std::is_same_v<A, act::Relu> || std::is_same_v<A, act::Silu> ||
+      std::is_same_v<A, act::Relu2> || std::is_same_v<A, act::Identity>);
+
+// The epilogues work on pairs of adjacent outputs (col even, col + 1) of one row, so that every kernel
+// (epilogue_tokens_as_a.cuh, epilogue_weights_as_a.cuh) shares one arithmetic per output:
+// expert_ctx once per tile, row_ctx once per row, pair per two columns (raw fp32 accumulators and the
+// bf16-rounded LoRA deltas of lora_expand.cuh in, +0 deltas without LoRA). cols(p) is the output width
+// and lora_b_row(p, n) the row of the adapter's B that feeds output column n (prepared order -> B's order).
+struct Epilogue1 {
+  using Params = Epilogue1Params;
+  struct ExpertCtx {
+    act::Params prm;
+    float s_even, s_odd;
+    int e;
+  };
+  struct RowCtx {
+    int r, entry;
+    float a_even, a_odd;
+  };
+  __device__ __forceinline__ static int cols(const Params& p) { return p.N1; }
+  // Prepared W1 row n of a gated activation is gate row n/2 (even n) or up row n/2 (odd n); B1 keeps the
+  // weights' half order.
+  template <class Act> __device__ __forceinline__ static int lora_b_row(const Params& p, int n) {
+    if constexpr (!kGatedAct<Act>) return n;
+    const int j = n >> 1;
+    return ((n & 1) == 0) == p.gate_first ? j : p.I + j;
+  }
+  template <class Act> __device__ __forceinline__ static ExpertCtx expert_ctx(const Params& p, int e) {
+    ExpertCtx x;
+    x.e = e;
+    x.prm = p.defaults;
+    if (p.alpha) x.prm.alpha = p.alpha[e];
+    if (p.beta) x.prm.beta = p.beta[e];
+    if (p.limit) { x.prm.limit = p.limit[e]; x.prm.has_limit = isfinite(x.prm.limit); }
+    x.s_even = p.s_even[e];
+    x.s_odd = kGatedAct<Act> ? p.s_odd[e] : x.s_even;
+    return x;
+  }
+  // A row's loads (row_pre: its entry and token scale, a chain of two) apart from its arithmetic (row_ctx), so that a
+  // kernel may load them before its mainloop (kernel_weights_as_a.cuh).
+  struct RowPre {
+    int entry;
+    float rs;
+  };
+  __device__ __forceinline__ static RowPre row_pre(const Params& p, const GemmProblem& g, int r) {
+    const int entry = entry_of(g, r);
+    return RowPre{entry, p.row_scale ? p.row_scale[entry / p.token_div] : 1.f};
+  }
+  __device__ __forceinline__ static RowCtx row_ctx(const Params&, const ExpertCtx& x, int r, const RowPre& pre) {
+    RowCtx rc;
+    rc.r = r;
+    rc.entry = pre.entry;
+    rc.a_even = __fmul_rn(x.s_even, pre.rs);
+    rc.a_odd = __fmul_rn(x.s_odd, pre.rs);
+    return rc;
+  }
+  __device__ __forceinline__ static RowCtx row_ctx(const Params& p, const GemmProblem& g, const ExpertCtx& x, int r) {
+    return row_ctx(p, x, r, row_pre(p, g, r));
+  }
+  // A gated activation's a at column col / 2 (col even, < N1: the pair gate | up in the prepared order), in
+  // float before its bf16 rounding.
+  template <class Act>
+  __device__ __forceinline__ static float gated_value(const Params& p, const ExpertCtx& x, const RowCtx& rc, int col,
+                                                      float c0, float c1, float l0, float l1) {
+    float h0 = __fmul_rn(c0, rc.a_even);
+    float h1 = __fmul_rn(c1, rc.a_odd);
+    if (p.bias) {
+      h0 = __fadd_rn(h0, p.bias[static_cast<int64_t>(x.e) * p.N1 + col]);
+      h1 = __fadd_rn(h1, p.bias[static_cast<int64_t>(x.e) * p.N1 + col + 1]);
+    }
+    const int j = col >> 1;
+    float dg = 0.f, du = 0.f;
+    if (p.delta) {
+      const uint16_t* d = p.delta + static_cast<int64_t>(rc.entry) * p.N1;
+      dg = dev::bf16_to_f32(d[p.gate_first ? j : p.I + j]);
+      du = dev::bf16_to_f32(d[p.gate_first ? p.I + j : j]);
+    }
+    h0 = __fadd_rn(h0, dg);
+    h1 = __fadd_rn(h1, du);
+    // The LoRA delta, always added (+0 for base rows).
+    h0 = __fadd_rn(h0, l0);
+    h1 = __fadd_rn(h1, l1);
+    return Act::apply(h0, h1, x.prm);
+  }
+  // Stores a gated a at column j: out (GEMM2's input: a, or its NVFP4 values when GEMM1 quantizes) and the bridge
+  // act_out (a).
+  __device__ __forceinline__ static void store_gated(const Params& p, const RowCtx& rc, int j, uint16_t out,
+                                                     uint16_t a) {
+    p.out[static_cast<int64_t>(rc.r) * p.I + j] = out;
+    if (p.act_out) p.act_out[static_cast<int64_t>(rc.entry) * p.I + j] = a;
+  }
+  template <class Act>
+  __device__ __forceinline__ static void pair(const Params& p, const ExpertCtx& x, const RowCtx& rc, int col, float c0,
+                                              float c1, float l0, float l1) {
+    if (col >= p.N1) return;
+    const int e = x.e, r = rc.r, entry = rc.entry;
+    if constexpr (kGatedAct<Act>) {
+      const uint16_t a = dev::f32_to_bf16(gated_value<Act>(p, x, rc, col, c0, c1, l0, l1));
+      store_gated(p, rc, col >> 1, a, a);
+    } else {
+      float h0 = __fmul_rn(c0, rc.a_even);
+      float h1 = __fmul_rn(c1, rc.a_odd);
+      if (p.bias) {
+        h0 = __fadd_rn(h0, p.bias[static_cast<int64_t>(e) * p.N1 + col]);
+        h1 = __fadd_rn(h1, p.bias[static_cast<int64_t>(e) * p.N1 + col + 1]);
+      }
+      float d0 = 0.f, d1 = 0.f;
+      if (p.delta) {
+        const uint16_t* d = p.delta + static_cast<int64_t>(entry) * p.N1;
+        d0 = dev::bf16_to_f32(d[col]);
+        d1 = dev::bf16_to_f32(d[col + 1]);
+      }
+      h0 = __fadd_rn(h0, d0);
+      h1 = __fadd_rn(h1, d1);
+      h0 = __fadd_rn(h0, l0);
+      h1 = __fadd_rn(h1, l1);
+      const uint32_t a = static_cast<uint32_t>(dev::f32_to_bf16(Act::apply(h0, 0.f, x.prm))) |
+                         (static_cast<uint32_t>(dev::f32_to_bf16(Act::apply(h1, 0.f, x.prm))) << 16);
+      *reinterpret_cast<uint32_t*>(p.out + static_cast<int64_t>(r) * p.I + col) = a;
+      if (p.act_out) {  // the caller's tensor may be only 2-byte aligned
+        p.act_out[static_cast<int64_t>(entry) * p.I + col] = static_cast<uint16_t>(a & 0xffffu);
+        p.act_out[static_cast<int64_t>(entry) * p.I + col + 1] = static_cast<uint16_t>(a >> 16);
+      }
+    }
+  }
+};
+
+struct Epilogue2 {
+  using Params = Epilogue2Params;
+  struct ExpertCtx {
+    float s;
+    int e;
+  };
+  struct RowCtx {
+    float* orow;
+  };
+  __device__ __forceinline__ static int cols(const Params& p) { return p.H; }
+  template <class Act> __device__ __forceinline__ static int lora_b_row(const Params&, int n) { return n; }
+  template <class Act> __device__ __forceinline__ static ExpertCtx expert_ctx(const Params& p, int e) {
+    return ExpertCtx{__fmul_rn(p.s2[e], p.in_scale), e};
+  }
+  struct RowPre {
+    int entry;
+  };
+  __device__ __forceinline__ static RowPre row_pre(const Params&, const GemmProblem& g, int r) {
+    return RowPre{entry_of(g, r)};
+  }
+  __device__ __forceinline__ static RowCtx row_ctx(const Params& p, const ExpertCtx&, int, const RowPre& pre) {
+    return RowCtx{p.out + static_cast<int64_t>(pre.entry) * p.H};
+  }
+  __device__ __forceinline__ static RowCtx row_ctx(const Params& p, const GemmProblem& g, const ExpertCtx& x, int r) {
+    return row_ctx(p, x, r, row_pre(p, g, r));
+  }
+  template <class Act>
+  __device__ __forceinline__ static void pair(const Params& p, const ExpertCtx& x, const RowCtx& rc, int col, float c0,
+                                              float c1, float l0, float l1) {
+    if (col >= p.H) return;
+    float o0 = __fmul_rn(c0, x.s);
+    float o1 = __fmul_rn(c1, x.s);
+    if (p.bias) {
+      o0 = __fadd_rn(o0, p.bias[static_cast<int64_t>(x.e) * p.H + col]);
+      o1 = __fadd_rn(o1, p.bias[static_cast<int64_t>(x.e) * p.H + col + 1]);
+    }
+    // The down LoRA delta, always added (+0 for base rows, which turns -0 into +0 as the reference).
+    *reinterpret_cast<float2*>(rc.orow + col) = make_float2(__fadd_rn(o0, l0), __fadd_rn(o1, l1));
+  }
+};
+
+}  // namespace fp4moe::cuda_backend

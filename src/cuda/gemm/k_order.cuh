@@ -1,0 +1,56 @@
+// The canonical K order (SPEC §4 batch invariance; docs/numerics.md): the one place that defines how every tile
+// adds its products, so that the tile, the split-K factor and the chunking never change a bit.
+#pragma once
+#include <cstdint>
+
+#include "format/nvfp4_prepared.h"
+#include "runtime/plan.h"
+
+namespace fp4moe::cuda_backend {
+
+// The canonical K order of every GEMM here (batch invariance, SPEC §4): K is cut into chunks of
+// kKChunk (plan.h); each chunk is one chain of m16n8k16 steps k = 0, 16, 32, ... from a zero accumulator, and
+// an output is the fp32 sum of its chunk sums in chunk order. A tile may take a range of chunks
+// (split-K over blocks, split_k.cuh): the chunk sums are then added in the same order by the last block.
+constexpr int kChunkBlocks = static_cast<int>(kKChunk / 64);
+
+// The range of k-blocks [begin, end) of split z of `splits`, in whole chunks; KB = k-blocks of K.
+struct KRange {
+  int begin, end;
+};
+__device__ __forceinline__ KRange k_range(int KB, int z, int splits) {
+  const int chunks = (KB + kChunkBlocks - 1) / kChunkBlocks;
+  const int per = (chunks + splits - 1) / splits;
+  const int b = min(KB, z * per * kChunkBlocks);
+  return KRange{b, min(KB, b + per * kChunkBlocks)};
+}
+
+// A finished chunk's chain added to the running sums in chunk order (the first chunk starts them).
+template <int N> __device__ __forceinline__ void add_chunk(float (&acc)[N][4], const float (&part)[N][4], bool first) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int q = 0; q < 4; ++q) acc[i][q] = first ? part[i][q] : __fadd_rn(acc[i][q], part[i][q]);
+}
+// The same, the running sums in shared memory: float4 i of them at sums[i * kStride].
+template <int kStride, int N>
+__device__ __forceinline__ void add_chunk_shared(float4* sums, const float (&part)[N][4], bool first) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    float4 v = make_float4(part[i][0], part[i][1], part[i][2], part[i][3]);
+    if (!first) {
+      const float4 s = sums[i * kStride];
+      v = make_float4(__fadd_rn(s.x, v.x), __fadd_rn(s.y, v.y), __fadd_rn(s.z, v.z), __fadd_rn(s.w, v.w));
+    }
+    sums[i * kStride] = v;
+  }
+}
+// Prepared NVFP4 sums times kProductScale (format/nvfp4_prepared.h): the sums of the true products.
+template <int N> __device__ __forceinline__ void unscale_products(float (&acc)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int q = 0; q < 4; ++q) acc[i][q] *= nvfp4_prepared::kProductScale;
+}
+
+}  // namespace fp4moe::cuda_backend

@@ -1,0 +1,43 @@
+// Which work a block does: its (m, n) tile of the grid (bands of m tiles, common/tile_order.h), the expert and
+// rows of its m tile (the permutation's tile list, or consecutive rows of a dense problem), and its split of K
+// (split_k.cuh).
+#pragma once
+#include "common/tile_order.h"
+#include "cuda/kernels.h"
+
+namespace fp4moe::cuda_backend {
+
+// The (token, slot) entry of permuted row r (dense problems: the row itself).
+__device__ __forceinline__ int entry_of(const GemmProblem& g, int r) { return g.row_entry ? g.row_entry[r] : r; }
+
+// Tile -> (expert, rows). Routed: tile_info from the permutation; dense (shared expert): consecutive rows.
+struct TileRows {
+  int expert, row0, row_end;
+};
+template <int BM> __device__ __forceinline__ bool resolve_tile(const GemmProblem& g, TileRows& tr, int tile) {
+  if (g.tile_info) {
+    if (tile >= g.tile_info[2 * g.max_tiles]) return false;  // fewer tiles than the plan's bound
+    tr.expert = g.tile_info[2 * tile];
+    tr.row0 = g.tile_info[2 * tile + 1];
+    tr.row_end = min(tr.row0 + BM, g.expert_offsets[tr.expert + 1]);
+  } else {
+    tr.expert = 0;
+    tr.row0 = tile * BM;
+    if (tr.row0 >= g.dense_rows) return false;
+    tr.row_end = min(tr.row0 + BM, g.dense_rows);
+  }
+  return true;
+}
+
+// The (m, n) tile of this block of a grid (m tiles, n tiles[, splits]).
+__device__ __forceinline__ void grid_tile(int band, int& m, int& n) {
+  if (band <= 0) {
+    m = static_cast<int>(blockIdx.x);
+    n = static_cast<int>(blockIdx.y);
+  } else {
+    tile_of(static_cast<int>(blockIdx.y * gridDim.x + blockIdx.x), static_cast<int>(gridDim.x),
+            static_cast<int>(gridDim.y), band, m, n);
+  }
+}
+
+}  // namespace fp4moe::cuda_backend

@@ -1,0 +1,56 @@
+// Split-K of a weights-as-A tile over gridDim.z blocks (the plan splits when a decode grid is small): each block
+// stores its chunk sums to partials[tile][chunk][thread]; the tile's last block to finish adds all of them in
+// chunk order, the canonical K order (k_order.cuh), and runs the epilogue.
+#pragma once
+#include <cstdint>
+
+#include "cuda/gemm/k_order.cuh"
+#include "cuda/gemm/pipeline.cuh"
+#include "cuda/kernels.h"
+
+namespace fp4moe::cuda_backend {
+
+template <class Cfg, int ACCS> struct SplitK {
+  const GemmProblem& g;
+  int chunks;        // K chunks of the whole K
+  int64_t tile_lin;  // this tile's index among the grid's (x, y) tiles
+  __device__ __forceinline__ SplitK(const GemmProblem& g_, int KB)
+      : g(g_), chunks((KB + kChunkBlocks - 1) / kChunkBlocks),
+        tile_lin(static_cast<int64_t>(blockIdx.x) * gridDim.y + blockIdx.y) {}
+
+  __device__ __forceinline__ float4* partial_at(int chunk) const {
+    return reinterpret_cast<float4*>(g.partials) + ((tile_lin * chunks + chunk) * Cfg::THREADS + threadIdx.x) * ACCS;
+  }
+  __device__ __forceinline__ void store(int chunk, const float (&part)[ACCS][4]) const {
+    float4* dst = partial_at(chunk);
+#pragma unroll
+    for (int a = 0; a < ACCS; ++a) dst[a] = make_float4(part[a][0], part[a][1], part[a][2], part[a][3]);
+  }
+  // In the tile's last block: acc = the sum of every chunk's sums in chunk order, true. In the others: false.
+  __device__ __forceinline__ bool reduce_last(float (&acc)[ACCS][4]) const {
+    __shared__ int last;
+    __threadfence();
+    math_sync<Cfg>();
+    if (threadIdx.x == 0) {
+      const int done = atomicAdd(g.counters + tile_lin, 1);
+      last = done == g.split - 1;
+      if (last) g.counters[tile_lin] = 0;  // ready for the next call
+    }
+    math_sync<Cfg>();
+    if (!last) return false;
+    __threadfence();
+    for (int c = 0; c < chunks; ++c) {
+      const float4* src = partial_at(c);
+#pragma unroll
+      for (int a = 0; a < ACCS; ++a) {
+        const float4 v = __ldcg(src + a);
+        const float p[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int q = 0; q < 4; ++q) acc[a][q] = c == 0 ? p[q] : __fadd_rn(acc[a][q], p[q]);
+      }
+    }
+    return true;
+  }
+};
+
+}  // namespace fp4moe::cuda_backend
