@@ -29,7 +29,7 @@ if "$BENCH" bench --runs 0 2>&1 | grep -q "not available"; then
   CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$(command -v nvcc)")")}
   printf '#include "bench.h"\nint main(int c, char** v) { return fp4moe::run_bench(c - 2, v + 2); }\n' > "$LOGS/bench_driver.cpp"
   g++ -std=c++20 -O2 -I include -I src -I tools/fp4moe -I "$CUDA_HOME/include" -DFP4MOE_WITH_CUDA=1 -DFP4MOE_BENCH_HAVE_CUBLAS=1 \
-    tools/fp4moe/bench.cpp "$LOGS/bench_driver.cpp" "$(find "$BUILD" -name libfp4moe_core.a | head -1)" \
+    tools/fp4moe/bench*.cpp "$LOGS/bench_driver.cpp" "$(find "$BUILD" -name libfp4moe_core.a | head -1)" \
     -L"$CUDA_HOME/lib64" -lcudart_static -lcublas -lpthread -ldl -lrt -o "$BUILD/fp4moe_bench_driver" \
     >> "$LOGS/build.log" 2>&1 || { say "DRIVER BUILD FAILED"; tail -20 "$LOGS/build.log"; exit 1; }
   BENCH="$BUILD/fp4moe_bench_driver"

@@ -37,6 +37,7 @@
 #include <string>
 #include <vector>
 
+#include "common/device_buffer.h"
 #include "fp4moe/model_shapes.h"
 #include "fp4moe/moe.h"
 #include "fp4moe/parallel.h"
@@ -81,33 +82,6 @@ void usage() {
       std::exit(3);                                                                                  \
     }                                                                                                \
   } while (0)
-
-struct DBuf {
-  void* p = nullptr;
-  size_t bytes = 0;
-  DBuf() = default;
-  explicit DBuf(size_t b) : bytes(b) { CK(cudaMalloc(&p, std::max<size_t>(b, 256))); }
-  template <class T> static DBuf from(const std::vector<T>& v) {
-    DBuf d(v.size() * sizeof(T));
-    if (!v.empty()) CK(cudaMemcpy(d.p, v.data(), d.bytes, cudaMemcpyHostToDevice));
-    return d;
-  }
-  DBuf(DBuf&& o) noexcept : p(o.p), bytes(o.bytes) { o.p = nullptr; o.bytes = 0; }
-  DBuf& operator=(DBuf&& o) noexcept {
-    std::swap(p, o.p);
-    std::swap(bytes, o.bytes);
-    return *this;
-  }
-  ~DBuf() {
-    if (p) (void)cudaFree(p);
-  }
-  template <class T> std::vector<T> get(cudaStream_t s, size_t n) const {
-    std::vector<T> v(n);
-    CK(cudaStreamSynchronize(s));
-    if (n) CK(cudaMemcpy(v.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
-    return v;
-  }
-};
 
 double rel_l2(const std::vector<double>& a, const std::vector<double>& ref) {
   double num = 0, den = 0;
@@ -199,15 +173,15 @@ class Rank {
 
   // Every rank's values (rank order) on every rank: an NCCL all-gather of a few floats.
   std::vector<float> gather(const std::vector<float>& mine) {
-    DBuf in = DBuf::from(mine), out(mine.size() * sizeof(float) * o_.world);
-    comm_.allgather(in.p, out.p, static_cast<int64_t>(mine.size() * sizeof(float)));
-    return out.get<float>(s_, mine.size() * o_.world);
+    DeviceBuffer in = DeviceBuffer::from(mine), out(mine.size() * sizeof(float) * o_.world);
+    comm_.allgather(in.get(), out.get(), static_cast<int64_t>(mine.size() * sizeof(float)));
+    return out.download<float>(mine.size() * o_.world, s_);
   }
   // y bits of every rank on rank 0 (all-gather of the bytes).
-  std::vector<std::vector<uint16_t>> gather_y(const DBuf& y, size_t n) {
-    DBuf out(n * 2 * o_.world);
-    comm_.allgather(y.p, out.p, static_cast<int64_t>(n * 2));
-    std::vector<uint16_t> all = out.get<uint16_t>(s_, n * o_.world);
+  std::vector<std::vector<uint16_t>> gather_y(const DeviceBuffer& y, size_t n) {
+    DeviceBuffer out(n * 2 * o_.world);
+    comm_.allgather(y.get(), out.get(), static_cast<int64_t>(n * 2));
+    std::vector<uint16_t> all = out.download<uint16_t>(n * o_.world, s_);
     std::vector<std::vector<uint16_t>> r;
     for (int q = 0; q < o_.world; ++q) r.emplace_back(all.begin() + q * n, all.begin() + (q + 1) * n);
     return r;
@@ -261,34 +235,35 @@ class Rank {
       ids_mixed[t] = static_cast<int32_t>(t % 9) - 1;  // base, adapters 0..7
       ids_lora[t] = static_cast<int32_t>(t % 8);
     }
-    DBuf dx = DBuf::from(x), dlog = DBuf::from(logits), dbias = DBuf::from(rbias), dmixed = DBuf::from(ids_mixed),
-         dlora = DBuf::from(ids_lora);
-    DBuf dalpha = DBuf::from(L.alpha), dbeta = DBuf::from(L.beta);
+    DeviceBuffer dx = DeviceBuffer::from(x), dlog = DeviceBuffer::from(logits), dbias = DeviceBuffer::from(rbias),
+                 dmixed = DeviceBuffer::from(ids_mixed), dlora = DeviceBuffer::from(ids_lora);
+    DeviceBuffer dalpha = DeviceBuffer::from(L.alpha), dbeta = DeviceBuffer::from(L.beta);
     const bool deepseek = ms.routing == RoutingMethod::DeepSeekV3;
     const bool situ = ms.activation == ActivationType::Situ;
     const int64_t s1 = sizeof(float);
 
     // args for T tokens on `dev` with E_loc experts at `off` (alpha/beta sliced for EP).
-    auto args_for = [&](int64_t T, int dev, const AdapterRegistry* reg, const DBuf* aids, int64_t off, int64_t E_loc) {
+    auto args_for = [&](int64_t T, int dev, const AdapterRegistry* reg, const DeviceBuffer* aids, int64_t off,
+                        int64_t E_loc) {
       MoeArgs a;
-      a.x = make_view(dx.p, DType::BF16, {T, H}, Backend::CUDA, dev);
+      a.x = make_view(dx.get(), DType::BF16, {T, H}, Backend::CUDA, dev);
       a.routing.method = ms.routing;
       a.routing.top_k = k;
       a.routing.n_group = ms.n_group;
       a.routing.topk_group = ms.topk_group;
       a.routing.routed_scaling_factor = ms.routed_scaling_factor;
-      a.routing.logits = make_view(dlog.p, DType::F32, {T, E}, Backend::CUDA, dev);
-      if (deepseek) a.routing.bias = make_view(dbias.p, DType::F32, {E}, Backend::CUDA, dev);
+      a.routing.logits = make_view(dlog.get(), DType::F32, {T, E}, Backend::CUDA, dev);
+      if (deepseek) a.routing.bias = make_view(dbias.get(), DType::F32, {E}, Backend::CUDA, dev);
       a.num_experts_total = E;
       a.local_expert_offset = off;
       a.activation.type = ms.activation;
       if (situ) {
-        a.activation.alpha = make_view(static_cast<char*>(dalpha.p) + off * s1, DType::F32, {E_loc}, Backend::CUDA, dev);
-        a.activation.beta = make_view(static_cast<char*>(dbeta.p) + off * s1, DType::F32, {E_loc}, Backend::CUDA, dev);
+        a.activation.alpha = make_view(static_cast<char*>(dalpha.get()) + off * s1, DType::F32, {E_loc}, Backend::CUDA, dev);
+        a.activation.beta = make_view(static_cast<char*>(dbeta.get()) + off * s1, DType::F32, {E_loc}, Backend::CUDA, dev);
       }
       if (reg) {
         a.adapters = reg;
-        a.adapter_ids = make_view(aids->p, DType::I32, {T}, Backend::CUDA, dev);
+        a.adapter_ids = make_view(aids->get(), DType::I32, {T}, Backend::CUDA, dev);
       }
       a.stream = s_;
       return a;
@@ -302,31 +277,31 @@ class Rank {
     // ---- checks ----
     const int64_t T = o_.check_tokens;
     const size_t n = static_cast<size_t>(T * H);
-    DBuf y_single(n * 2), y_single_f32(n * 4), y_tp(n * 2), y_tp2(n * 2), y_ep(n * 2), y_ep2(n * 2);
+    DeviceBuffer y_single(n * 2), y_single_f32(n * 4), y_tp(n * 2), y_tp2(n * 2), y_ep(n * 2), y_ep2(n * 2);
     std::vector<uint16_t> single;
     if (rank_ == 0) {
       MoeArgs a = args_for(T, 0, rfull.get(), &dmixed, 0, E);
-      a.y = make_view(y_single.p, DType::BF16, {T, H}, Backend::CUDA, 0);
+      a.y = make_view(y_single.get(), DType::BF16, {T, H}, Backend::CUDA, 0);
       moe_run(wfull, a);
-      a.y = make_view(y_single_f32.p, DType::F32, {T, H}, Backend::CUDA, 0);
+      a.y = make_view(y_single_f32.get(), DType::F32, {T, H}, Backend::CUDA, 0);
       moe_run(wfull, a);
       check_device_errors(0);
-      single = y_single.get<uint16_t>(s_, n);
-      const std::vector<float> f = y_single_f32.get<float>(s_, n);
+      single = y_single.download<uint16_t>(n, s_);
+      const std::vector<float> f = y_single_f32.download<float>(n, s_);
       size_t diff = 0;
       for (size_t i = 0; i < n; ++i) diff += f32_to_bf16_bits(f[i]) != single[i];
       expect(diff == 0, P + "single GPU: bf16(f32 y) == bf16 y bit for bit (" + std::to_string(diff) + " differ)");
       json.num(P + "single_f32_vs_bf16_mismatches", static_cast<double>(diff));
     }
-    auto run_tp = [&](DBuf& y, ParallelOutput out = ParallelOutput::AllReduce) {
+    auto run_tp = [&](DeviceBuffer& y, ParallelOutput out = ParallelOutput::AllReduce) {
       MoeArgs a = args_for(T, rank_, &rtp, &dmixed, 0, E);
       const int64_t rows = out == ParallelOutput::AllReduce ? T : T / W;
-      a.y = make_view(y.p, DType::BF16, {rows, H}, Backend::CUDA, rank_);
+      a.y = make_view(y.get(), DType::BF16, {rows, H}, Backend::CUDA, rank_);
       moe_run_tp(wtp, a, comm_, out);
     };
-    auto run_ep = [&](DBuf& y) {
+    auto run_ep = [&](DeviceBuffer& y) {
       MoeArgs a = args_for(T, rank_, &rep, &dmixed, win.offset, win.count);
-      a.y = make_view(y.p, DType::BF16, {T, H}, Backend::CUDA, rank_);
+      a.y = make_view(y.get(), DType::BF16, {T, H}, Backend::CUDA, rank_);
       moe_run_ep(wep, a, comm_);
     };
     run_tp(y_tp);
@@ -339,9 +314,9 @@ class Rank {
     // ReduceScatter: each rank's rows of the AllReduce result.
     float rs_diff = 0;
     if (T % W == 0) {
-      DBuf y_rs(n * 2 / W);
+      DeviceBuffer y_rs(n * 2 / W);
       run_tp(y_rs, ParallelOutput::ReduceScatter);
-      const std::vector<uint16_t> rs = y_rs.get<uint16_t>(s_, n / W), mine = y_tp.get<uint16_t>(s_, n);
+      const std::vector<uint16_t> rs = y_rs.download<uint16_t>(n / W, s_), mine = y_tp.download<uint16_t>(n, s_);
       for (size_t i = 0; i < n / W; ++i) rs_diff += rs[i] != mine[rank_ * (n / W) + i];
     }
     const std::vector<float> rs_all = gather({rs_diff});
@@ -425,10 +400,10 @@ class Rank {
 
     // ---- failure agreement: rank 1 passes a bad y; nobody hangs, rank 0 leaves y untouched ----
     if (first && W > 1) {
-      DBuf y_bad(n * 2);
-      CK(cudaMemsetAsync(y_bad.p, 0xff, n * 2, s_));
+      DeviceBuffer y_bad(n * 2);
+      CK(cudaMemsetAsync(y_bad.get(), 0xff, n * 2, s_));
       MoeArgs a = args_for(T, rank_, &rtp, &dmixed, 0, E);
-      a.y = make_view(y_bad.p, DType::BF16, {T, rank_ == 1 ? H - 16 : H}, Backend::CUDA, rank_);
+      a.y = make_view(y_bad.get(), DType::BF16, {T, rank_ == 1 ? H - 16 : H}, Backend::CUDA, rank_);
       std::string thrown = "-", flagged = "-";
       try {
         moe_run_tp(wtp, a, comm_);
@@ -440,7 +415,7 @@ class Rank {
       } catch (const Error& e) {
         flagged = e.argument();
       }
-      const std::vector<uint16_t> yb = y_bad.get<uint16_t>(s_, n);
+      const std::vector<uint16_t> yb = y_bad.download<uint16_t>(n, s_);
       const bool untouched = std::count(yb.begin(), yb.end(), 0xffff) == static_cast<std::ptrdiff_t>(n);
       // code per rank: 1 = threw "y", 2 = flagged "comm", +4 when y untouched
       const float code = (thrown == "y" ? 1.f : 0.f) + (flagged == "comm" ? 2.f : 0.f) + (untouched ? 4.f : 0.f);
@@ -462,7 +437,7 @@ class Rank {
     for (int64_t Tt : o_.tokens) {
       for (int lora = 0; lora < 2; ++lora) {
         const size_t nt = static_cast<size_t>(Tt * H);
-        DBuf yt(nt * 2);
+        DeviceBuffer yt(nt * 2);
         auto time = [&](const std::function<void()>& call) {
           for (int i = 0; i < o_.warmup; ++i) call();
           std::vector<cudaEvent_t> ev(2 * o_.iters);
@@ -482,25 +457,25 @@ class Rank {
           for (auto& e : ev) (void)cudaEventDestroy(e);
           return median(ms_);
         };
-        const DBuf* aid = lora ? &dlora : nullptr;
+        const DeviceBuffer* aid = lora ? &dlora : nullptr;
         double t_single = 0;
         barrier();
         if (rank_ == 0)
           t_single = time([&] {
             MoeArgs a = args_for(Tt, 0, lora ? rfull.get() : nullptr, aid, 0, E);
-            a.y = make_view(yt.p, DType::BF16, {Tt, H}, Backend::CUDA, 0);
+            a.y = make_view(yt.get(), DType::BF16, {Tt, H}, Backend::CUDA, 0);
             moe_run(wfull, a);
           });
         barrier();
         const double t_tp = time([&] {
           MoeArgs a = args_for(Tt, rank_, lora ? &rtp : nullptr, aid, 0, E);
-          a.y = make_view(yt.p, DType::BF16, {Tt, H}, Backend::CUDA, rank_);
+          a.y = make_view(yt.get(), DType::BF16, {Tt, H}, Backend::CUDA, rank_);
           moe_run_tp(wtp, a, comm_);
         });
         barrier();
         const double t_ep = time([&] {
           MoeArgs a = args_for(Tt, rank_, lora ? &rep : nullptr, aid, win.offset, win.count);
-          a.y = make_view(yt.p, DType::BF16, {Tt, H}, Backend::CUDA, rank_);
+          a.y = make_view(yt.get(), DType::BF16, {Tt, H}, Backend::CUDA, rank_);
           moe_run_ep(wep, a, comm_);
         });
         check_device_errors(rank_);

@@ -1,14 +1,16 @@
-// `fp4moe check` (tools/fp4moe/check.cpp) run in-process on the CPU backend at a tiny size: it must pass,
+// `fp4moe check` (tools/fp4moe/check*.cpp) run in-process on the CPU backend at a tiny size: it must pass,
 // and a planted fault (through CheckHooks, a test-only entry point) must make it fail the right checks.
 //
-// The harness lives in the CLI's sources, which the test binary does not link; it is compiled into this
-// translation unit instead (its internals are in an anonymous namespace, so nothing clashes).
-#include "../../tools/fp4moe/check.cpp"
+// The harness lives in the CLI's sources; the test binary compiles them too (CMakeLists.txt).
+#include "../../tools/fp4moe/check.h"
 
 #include <gtest/gtest.h>
 
+#include "fp4moe/types.h"
 #include "runtime/json.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <iterator>

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "../../tools/common/device_buffer.h"
 #include "cuda/backend.h"
 #include "fp4moe/model_shapes.h"
 #include "fp4moe/moe.h"
@@ -38,41 +39,8 @@ inline void cuda_check_abort(cudaError_t e, const char* what) {
   }
 }
 
-// A device allocation with typed upload/download.
-class DevBuf {
- public:
-  DevBuf() = default;
-  explicit DevBuf(size_t bytes) : bytes_(bytes) {
-    // Never a null pointer, even for 0 bytes: a present, empty tensor (T = 0) must stay "present".
-    cuda_check_abort(cudaMalloc(&p_, bytes ? bytes : 256), "cudaMalloc");
-  }
-  template <class T> static DevBuf from(const std::vector<T>& v) {
-    DevBuf b(v.size() * sizeof(T));
-    if (!v.empty()) cuda_check_abort(cudaMemcpy(b.p_, v.data(), b.bytes_, cudaMemcpyHostToDevice), "upload");
-    return b;
-  }
-  DevBuf(DevBuf&& o) noexcept : p_(o.p_), bytes_(o.bytes_) { o.p_ = nullptr; o.bytes_ = 0; }
-  DevBuf& operator=(DevBuf&& o) noexcept {
-    std::swap(p_, o.p_);
-    std::swap(bytes_, o.bytes_);
-    return *this;
-  }
-  ~DevBuf() {
-    if (p_) (void)cudaFree(p_);
-  }
-  template <class T> std::vector<T> download() const {
-    std::vector<T> v(bytes_ / sizeof(T));
-    if (bytes_) cuda_check_abort(cudaMemcpy(v.data(), p_, bytes_, cudaMemcpyDeviceToHost), "download");
-    return v;
-  }
-  void fill_byte(int b) { if (bytes_) cuda_check_abort(cudaMemset(p_, b, bytes_), "cudaMemset"); }
-  void* get() const { return p_; }
-  size_t bytes() const { return bytes_; }
-
- private:
-  void* p_ = nullptr;
-  size_t bytes_ = 0;
-};
+// The tests' name for the shared buffer helper (tools/common/device_buffer.h).
+using DevBuf = DeviceBuffer;
 
 inline TensorView dview(const DevBuf& b, DType t, std::initializer_list<int64_t> shape) {
   return make_view(b.get(), t, shape, Backend::CUDA, 0);

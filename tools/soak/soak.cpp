@@ -33,6 +33,7 @@
 #include <malloc.h>
 #endif
 
+#include "../common/device_buffer.h"
 #include "../fp4moe/cli.h"
 #include "fp4moe/build_info.h"
 #include "fp4moe/model_shapes.h"
@@ -230,100 +231,13 @@ int64_t device_used_bytes(Backend b) {
 #endif
 }
 
-// A buffer on the host or the device, with uploads, fills and reads on the call's stream.
-class Buf {
- public:
-  Buf() = default;
-  Buf(Backend where, size_t bytes) : where_(where), bytes_(bytes) {
-    const size_t n = std::max<size_t>(bytes, 256);  // never null: an empty tensor must still be "present"
-    if (where == Backend::CPU) {
-      p_ = ::operator new(n, std::align_val_t(256));
-    } else {
-#ifdef FP4MOE_WITH_CUDA
-      cuda_ok(cudaMalloc(&p_, n), "cudaMalloc");
-#else
-      throw std::runtime_error("this build has no CUDA backend");
-#endif
-    }
-  }
-  template <class T> static Buf from(Backend where, const std::vector<T>& v) {
-    Buf b(where, v.size() * sizeof(T));
-    b.upload(v.data(), b.bytes_, nullptr);
-    return b;
-  }
-  Buf(Buf&& o) noexcept : where_(o.where_), p_(o.p_), bytes_(o.bytes_) { o.p_ = nullptr; o.bytes_ = 0; }
-  Buf& operator=(Buf&& o) noexcept {
-    std::swap(where_, o.where_);
-    std::swap(p_, o.p_);
-    std::swap(bytes_, o.bytes_);
-    return *this;
-  }
-  Buf(const Buf&) = delete;
-  Buf& operator=(const Buf&) = delete;
-  ~Buf() {
-    if (!p_) return;
-    if (where_ == Backend::CPU) {
-      ::operator delete(p_, std::align_val_t(256));
-    } else {
-#ifdef FP4MOE_WITH_CUDA
-      (void)cudaFree(p_);
-#endif
-    }
-  }
-  void* get() const { return p_; }
-  size_t bytes() const { return bytes_; }
-  TensorView view(DType t, std::initializer_list<int64_t> shape) const { return make_view(p_, t, shape, where_, 0); }
-
-  // The source may be a temporary: the copy is complete when this returns.
-  void upload(const void* src, size_t n, void* stream) {
-    if (n == 0) return;
-    if (where_ == Backend::CPU) {
-      std::memcpy(p_, src, n);
-      return;
-    }
-#ifdef FP4MOE_WITH_CUDA
-    auto s = static_cast<cudaStream_t>(stream);
-    if (!s) {
-      cuda_ok(cudaMemcpy(p_, src, n, cudaMemcpyHostToDevice), "cudaMemcpy (upload)");
-      return;
-    }
-    cuda_ok(cudaMemcpyAsync(p_, src, n, cudaMemcpyHostToDevice, s), "cudaMemcpyAsync (upload)");
-    cuda_ok(cudaStreamSynchronize(s), "cudaStreamSynchronize (upload)");
-#else
-    (void)stream;
-#endif
-  }
-  void fill(int byte, size_t n, void* stream) {
-    if (where_ == Backend::CPU) {
-      std::memset(p_, byte, n);
-      return;
-    }
-#ifdef FP4MOE_WITH_CUDA
-    cuda_ok(cudaMemsetAsync(p_, byte, n, static_cast<cudaStream_t>(stream)), "cudaMemsetAsync (y sentinel)");
-#else
-    (void)stream;
-#endif
-  }
-  // The first n bytes as the host sees them once the stream's work is done: the buffer itself on the host,
-  // else a copy into `staging`.
-  const uint8_t* read(size_t n, void* stream, void* staging) const {
-    if (where_ == Backend::CPU) return static_cast<const uint8_t*>(p_);
-#ifdef FP4MOE_WITH_CUDA
-    auto s = static_cast<cudaStream_t>(stream);
-    cuda_ok(cudaMemcpyAsync(staging, p_, n, cudaMemcpyDeviceToHost, s), "cudaMemcpyAsync (y)");
-    cuda_ok(cudaStreamSynchronize(s), "cudaStreamSynchronize (y)");
-#else
-    (void)n;
-    (void)stream;
-#endif
-    return static_cast<const uint8_t*>(staging);
-  }
-
- private:
-  Backend where_ = Backend::CPU;
-  void* p_ = nullptr;
-  size_t bytes_ = 0;
-};
+// The first n bytes of b as the host sees them once the stream's work is done: b itself on the host, else a copy
+// into `staging`.
+const uint8_t* read_back(const DeviceBuffer& b, size_t n, void* stream, void* staging) {
+  if (b.where() == Backend::CPU) return b.as<const uint8_t>();
+  b.download_to(staging, n, stream);
+  return static_cast<const uint8_t*>(staging);
+}
 
 // Page-locked host memory for the copy-back of y on the CUDA backend (plain memory otherwise).
 class Staging {
@@ -520,7 +434,7 @@ struct Spec {
   std::vector<uint8_t> ref;       // y's bits on the fresh registry
   float fc1 = 0.f;
   size_t ws = 0, ws_chunked = 0;  // workspace_size without and with the chunking budget
-  Buf dx, dlogits, daids;         // where the calls read them (the backend's memory)
+  DeviceBuffer dx, dlogits, daids;  // where the calls read them (the backend's memory)
 };
 
 struct MemReading {
@@ -565,7 +479,7 @@ class Soak {
   std::unique_ptr<AdapterRegistry> reg_, foreign_reg_;
   std::vector<SyntheticAdapter> stable_, pool_;
   std::vector<float> router_bias_;
-  Buf bias_, alpha_, beta_, clamp_, y_, ws_, bad_aids_, bad_ids_, bad_w_, base_aids_, host_ws_;
+  DeviceBuffer bias_, alpha_, beta_, clamp_, y_, ws_, bad_aids_, bad_ids_, bad_w_, base_aids_, host_ws_;
   std::unique_ptr<Staging> staging_;
   std::vector<Spec> specs_;
   void* stream_ = nullptr;
@@ -658,12 +572,12 @@ void Soak::setup_layer() {
   const bool with_bias = shape_.activation == ActivationType::SwigluBias;
   layer_ = make_synthetic_layer(shape_, E_loc_, o_.seed * 7 + 1, WeightFormat::NVFP4, with_bias, order_);
   w_ = prepare_weights(layer_.desc(), backend_, 0);
-  if (!layer_.alpha.empty()) alpha_ = Buf::from(backend_, layer_.alpha);
-  if (!layer_.beta.empty()) beta_ = Buf::from(backend_, layer_.beta);
-  if (!layer_.clamp.empty()) clamp_ = Buf::from(backend_, layer_.clamp);
+  if (!layer_.alpha.empty()) alpha_ = DeviceBuffer::from(layer_.alpha, backend_);
+  if (!layer_.beta.empty()) beta_ = DeviceBuffer::from(layer_.beta, backend_);
+  if (!layer_.clamp.empty()) clamp_ = DeviceBuffer::from(layer_.clamp, backend_);
   if (uses_bias_) {
     router_bias_ = random_f32(E_total_, o_.seed * 7 + 2, 0.1f);
-    bias_ = Buf::from(backend_, router_bias_);
+    bias_ = DeviceBuffer::from(router_bias_, backend_);
   }
   // Stable adapters: every rank with every layout (5 x 3 combinations cycle through the slots).
   for (int i = 0; i < o_.stable; ++i)
@@ -750,9 +664,9 @@ void Soak::setup_specs() {
     r.topk_group = shape_.topk_group;
     r.routed_scaling_factor = shape_.routed_scaling_factor;
     route(r, E_total_, make_view(s.topk_ids.data(), DType::I32, {T, k_}), make_view(s.topk_w.data(), DType::F32, {T, k_}));
-    s.dx = Buf::from(backend_, s.x);
-    s.dlogits = Buf::from(backend_, s.logits);
-    s.daids = Buf::from(backend_, s.aids);
+    s.dx = DeviceBuffer::from(s.x, backend_);
+    s.dlogits = DeviceBuffer::from(s.logits, backend_);
+    s.daids = DeviceBuffer::from(s.aids, backend_);
     if (cuda()) {
       s.ws = ws_for(T, 0);
       s.ws_chunked = ws_for(T, chunk_budget_);
@@ -760,14 +674,14 @@ void Soak::setup_specs() {
     }
     specs_.push_back(std::move(s));
   }
-  y_ = Buf(backend_, static_cast<size_t>(max_T_ * H_ * 2));
+  y_ = DeviceBuffer(static_cast<size_t>(max_T_ * H_ * 2), backend_);
   staging_ = std::make_unique<Staging>(backend_, static_cast<size_t>(max_T_ * H_ * 2));
-  if (cuda()) ws_ = Buf(backend_, ws_max);
-  bad_aids_ = Buf(backend_, static_cast<size_t>(max_T_ * 4));
-  bad_ids_ = Buf(backend_, static_cast<size_t>(max_T_ * k_ * 4));
-  bad_w_ = Buf(backend_, static_cast<size_t>(max_T_ * k_ * 4));
-  base_aids_ = Buf::from(backend_, std::vector<int32_t>(max_T_, -1));
-  host_ws_ = Buf(Backend::CPU, 256);
+  if (cuda()) ws_ = DeviceBuffer(ws_max, backend_);
+  bad_aids_ = DeviceBuffer(static_cast<size_t>(max_T_ * 4), backend_);
+  bad_ids_ = DeviceBuffer(static_cast<size_t>(max_T_ * k_ * 4), backend_);
+  bad_w_ = DeviceBuffer(static_cast<size_t>(max_T_ * k_ * 4), backend_);
+  base_aids_ = DeviceBuffer::from(std::vector<int32_t>(max_T_, -1), backend_);
+  host_ws_ = DeviceBuffer(256, Backend::CPU);
 }
 
 MemReading Soak::read_memory() const {
@@ -804,7 +718,7 @@ void Soak::good_call(Spec& s, int variant) {
       note("good call (T=" + std::to_string(s.T) + ") threw " + to_string(e.code()) + ": " + e.what());
       return;
     }
-    const uint8_t* got = y_.read(bytes, stream_, staging_->get());
+    const uint8_t* got = read_back(y_, bytes, stream_, staging_->get());
     bytes_compared_ += static_cast<int64_t>(bytes);
     if (std::memcmp(got, s.ref.data(), bytes) != 0) {
       ++mismatches_;
@@ -954,7 +868,7 @@ void Soak::bad_call(Bad kind, Spec& s0) {
     y_.fill(kSentinel, bytes, stream_);
     if (!on_device) {
       add(expect_error("moe_run", [&] { moe_run(w_, a); }));
-      const uint8_t* y = y_.read(bytes, stream_, staging_->get());
+      const uint8_t* y = read_back(y_, bytes, stream_, staging_->get());
       bool untouched = true;
       for (size_t i = 0; i < bytes && untouched; ++i) untouched = y[i] == kSentinel;
       if (!untouched) {
@@ -979,7 +893,7 @@ void Soak::bad_call(Bad kind, Spec& s0) {
       }
       if (ran && bad_token >= 0) {
         // Every other token's output is defined and, by batch invariance, its reference's.
-        const uint8_t* y = y_.read(bytes, stream_, staging_->get());
+        const uint8_t* y = read_back(y_, bytes, stream_, staging_->get());
         const size_t row = static_cast<size_t>(H_ * 2);
         int64_t rows_off = 0;
         for (int64_t t = 0; t < T; ++t)
@@ -1094,7 +1008,7 @@ int Soak::run() {
       const size_t bytes = static_cast<size_t>(s.T * H_ * 2);
       y_.fill(kSentinel, bytes, stream_);
       moe_run(w_, a);
-      const uint8_t* y = y_.read(bytes, stream_, staging_->get());
+      const uint8_t* y = read_back(y_, bytes, stream_, staging_->get());
       s.ref.assign(y, y + bytes);
     }
     if (cuda()) check_device_errors(0);
