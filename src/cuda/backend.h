@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <memory>
 
+#include "runtime/plan.h"
 #include "runtime/prepared.h"
 
 namespace fp4moe::cuda_backend {
@@ -17,6 +18,8 @@ std::shared_ptr<void> prepare_device_adapter(const PreparedAdapter& a, int devic
 void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& adapters);
 // Reads and clears the device error flag of device_id; throws DeviceFault when it was set.
 void check_device_errors(int device_id);
+// The plan's view of device dev (SM count, L2 size, wgmma), its attributes read once.
+DeviceDesc device_desc(int dev);
 // Number of CUDA devices visible (0 when none or no driver).
 int device_count();
 // Test hook (fault injection): the n-th checked CUDA call from now on (0: the next) is reported as failed with

@@ -67,6 +67,19 @@ int sm_count(int dev) {
   });
 }
 
+DeviceDesc device_desc(int dev) {
+  static std::atomic<int> l2[64] = {};
+  DeviceDesc d;
+  d.sm_count = sm_count(dev);
+  d.l2_bytes = cached_per_device(l2, dev, [dev] {
+    int bytes = 0;
+    check_cuda(cudaDeviceGetAttribute(&bytes, cudaDevAttrL2CacheSize, dev), "cudaDeviceGetAttribute(L2 size)");
+    return bytes;
+  });
+  d.wgmma = wgmma_supported_on(dev);
+  return d;
+}
+
 // The build carries SASS only, never JIT-ed PTX: FP4MOE_WITH_SM90A is set when FP4MOE_CUDA_ARCHS lists 90a.
 bool wgmma_supported_on(int dev) {
 #if defined(FP4MOE_WITH_SM90A)

@@ -63,7 +63,7 @@ void check_shape(const ProblemShape& s) {
                              std::to_string(s.max_lora_rank));
   if (s.workspace_budget < 0) invalid("workspace_budget", "expected >= 0");
   check_gemm_tile(s.gemm_config);
-  if (s.gemm_config >= 0 && kGemmConfigs[s.gemm_config].wgmma && !s.wgmma)
+  if (s.gemm_config >= 0 && kGemmConfigs[s.gemm_config].wgmma && !s.device.wgmma)
     unsupported("gemm_tile", "tile " + std::to_string(s.gemm_config) + " needs wgmma (compute capability 9.0)");
 }
 
@@ -119,7 +119,7 @@ MoePlan make_plan(const ProblemShape& shape) {
     if (wgmma && p.rows >= 32 * s.E_total && !lora_thin) return 3;
     return avg_rows <= 6 ? 0 : (avg_rows <= 512 ? 1 : 2);
   };
-  p.gemm_config = s.gemm_config >= 0 ? s.gemm_config : choose(s.wgmma);
+  p.gemm_config = s.gemm_config >= 0 ? s.gemm_config : choose(s.device.wgmma);
   p.gemm = kGemmConfigs[p.gemm_config];
   const GemmConfig& g = p.gemm;
   p.k1_pad = round_up(H, g.bk);
@@ -134,8 +134,8 @@ MoePlan make_plan(const ProblemShape& shape) {
   // Bands of m tiles: without them a chunk whose token rows outgrow the L2 reads them from HBM again for every n
   // tile. Where the GEMM's token source (x for GEMM1, a for GEMM2) fits in L2 with room, one band.
   auto band_of = [&](int64_t source_rows, int64_t K, int64_t n_tiles) {
-    if (p.max_m_tiles * n_tiles > 0x7fffffff || source_rows * K * 2 <= kBandMinSourceBytes) return 0;
-    const int64_t band = kBandTokenBytes / (g.bm * K * 2);
+    if (p.max_m_tiles * n_tiles > 0x7fffffff || source_rows * K * 2 <= band_min_source_bytes(s.device)) return 0;
+    const int64_t band = band_token_bytes(s.device) / (g.bm * K * 2);
     return static_cast<int>(std::clamp<int64_t>(band, 1, std::max<int64_t>(1, p.max_m_tiles)));
   };
   p.m_band1 = band_of(p.chunk_tokens, p.k1_pad, p.n1_tiles);
@@ -146,15 +146,15 @@ MoePlan make_plan(const ProblemShape& shape) {
     p.shared_m_tiles = ceil_div(p.chunk_tokens, g.bm);
     p.shared_k2_pad = round_up(s.shared_I, g.bk);
   }
-  // Split-K: mma.sync weights-as-A tiles on a grid below kSplitTargetBlocks, when the one-block permutation (which
+  // Split-K: mma.sync weights-as-A tiles on a grid below split_target_blocks, when the one-block permutation (which
   // zeroes the counters) runs, split towards twice that many blocks; larger grids stay whole (splitting them was
   // slower). Whole chunks per block; no block without a chunk.
   int64_t partial_floats = 0, counters = 0;
   auto split_of = [&](const GemmConfig& c, int64_t m_tiles, int64_t n_tiles, int64_t k_pad) {
     const int64_t blocks = m_tiles * n_tiles, chunks = ceil_div(k_pad, kKChunk);
-    if (!c.weights_as_a || c.wgmma || p.perm_blocks != 1 || blocks == 0 || blocks >= kSplitTargetBlocks || chunks < 2)
-      return 1;
-    const int64_t want = std::min(chunks, ceil_div(2 * kSplitTargetBlocks, blocks));
+    const int64_t target = split_target_blocks(s.device);
+    if (!c.weights_as_a || c.wgmma || p.perm_blocks != 1 || blocks == 0 || blocks >= target || chunks < 2) return 1;
+    const int64_t want = std::min(chunks, ceil_div(2 * target, blocks));
     const int64_t split = ceil_div(chunks, ceil_div(chunks, want));
     const int64_t rows_per_warp = c.bn / c.warps_n;  // accumulators: (bm / 8) token groups x (rows / 16) x 4
     partial_floats = std::max(partial_floats, blocks * chunks * c.threads() * (c.bm / 8) * (rows_per_warp / 16) * 4);

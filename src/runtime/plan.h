@@ -9,6 +9,16 @@
 
 namespace fp4moe {
 
+// The device a plan is made for: the CUDA backend fills it from the device's attributes (cuda/backend.h
+// device_desc), and so does workspace_size for weights on a CUDA device; the defaults are an H200's. Only speed
+// depends on it (the tile, split-K and the tile bands never change a bit); the workspace only through split-K's
+// partial sums, whose size follows the SM count (wgmma or not, it is sized for both tile choices).
+struct DeviceDesc {
+  int sm_count = 132;
+  int64_t l2_bytes = int64_t(60) << 20;
+  bool wgmma = false;  // runs the sm_90a wgmma tile (compute capability 9.0 with sm_90a code)
+};
+
 // Everything about a call that the kernels' configuration depends on.
 struct ProblemShape {
   int64_t T = 0;        // tokens (0 is legal)
@@ -33,9 +43,7 @@ struct ProblemShape {
   // Upper bound (bytes) for the token-proportional workspace buffers; tokens beyond it are processed
   // in chunks of chunk_tokens. 0 = the default (kDefaultWorkspaceBudget).
   int64_t workspace_budget = 0;
-  // The device runs the sm_90a wgmma tile (compute capability 9.0; set by the CUDA backend). The workspace does
-  // not depend on it.
-  bool wgmma = false;
+  DeviceDesc device;
   // Forces the GEMM tile (index into kGemmConfigs: a GemmTile's value; MoeArgs::gemm_tile), -1 = chosen.
   int gemm_config = -1;
 };
@@ -86,7 +94,7 @@ struct MoePlan {
   int64_t n1_tiles = 0, n2_tiles = 0;
   int64_t max_m_tiles = 0;      // upper bound of sum_e ceil(rows_e / bm) over any routing
   // Tile order of the routed GEMMs (src/common/tile_order.h tile_of): bands of m_band1 / m_band2 m tiles, each
-  // band's tiles n by n with m fastest, so that the band's token rows (about kBandTokenBytes) stay in L2 while its
+  // band's tiles n by n with m fastest, so that the band's token rows (about band_token_bytes) stay in L2 while its
   // weight tiles go by. 0: one band (the grid's m tiles, n tile by n tile; where m_tiles * n_tiles overflows an int).
   int m_band1 = 0, m_band2 = 0;
   int64_t shared_n1 = 0, shared_n1_tiles = 0, shared_m_tiles = 0, shared_k2_pad = 0;
@@ -138,11 +146,14 @@ struct MoePlan {
 };
 
 constexpr size_t kWorkspaceAlign = 256;
-// The token rows a band of m tiles reads (MoePlan::m_band1/2): a small part of the L2, the rest for the weight tiles
-// in flight and the outputs going by (measured: bench/NOTES.md, "Plan choices"). Bands only where the GEMM's token
-// source (x for GEMM1, a for GEMM2) is above kBandMinSourceBytes; below it fits in L2 with room.
-constexpr int64_t kBandTokenBytes = int64_t(8) << 20;
-constexpr int64_t kBandMinSourceBytes = int64_t(32) << 20;
+// The token rows a band of m tiles reads (MoePlan::m_band1/2): 2/15 of the L2 (8 MiB of an H200's 60), the rest
+// for the weight tiles in flight and the outputs going by (measured: bench/NOTES.md, "Plan choices"). Bands only
+// where the GEMM's token source (x for GEMM1, a for GEMM2) is above band_min_source_bytes (8/15 of the L2); below
+// it fits in L2 with room.
+constexpr int64_t band_token_bytes(const DeviceDesc& d) { return d.l2_bytes / 15 * 2; }
+constexpr int64_t band_min_source_bytes(const DeviceDesc& d) { return d.l2_bytes / 15 * 8; }
+static_assert(band_token_bytes(DeviceDesc{}) == int64_t(8) << 20 && band_min_source_bytes(DeviceDesc{}) == int64_t(32) << 20,
+              "the H200's bands");
 // 4 GiB: a 16384-token batch of kimi_k3_tp8 (1.98 GB), qwen3_30b_a3b or mixtral_8x7b in one chunk, deepseek_v3_ep8
 // in two. Larger chunks fill the GEMM tiles with more rows per expert.
 constexpr int64_t kDefaultWorkspaceBudget = int64_t(4) << 30;
@@ -158,10 +169,9 @@ constexpr int64_t kMaxHidden = int64_t(1) << 20;  // H, I: keeps every per-row i
 constexpr int64_t kMaxLoraRank = 64;              // an adapter's r (SPEC §5)
 
 // The canonical K order of the GEMMs (docs/numerics.md): chains over chunks of kKChunk, chunk sums added in order.
-// Split-K splits a grid smaller than kSplitTargetBlocks blocks (four per SM of an H200) towards twice that many
-// (plan.cpp).
+// Split-K splits a grid smaller than split_target_blocks (four per SM) towards twice that many (plan.cpp).
 constexpr int64_t kKChunk = 512;
-constexpr int64_t kSplitTargetBlocks = 528;
+constexpr int64_t split_target_blocks(const DeviceDesc& d) { return int64_t(4) * d.sm_count; }
 // A chunk of at most this many (token, slot) entries is permuted by one kernel of one block (count, scan and
 // in-order placement; src/cuda/permute.cu), larger ones by three kernels over many blocks. (The placement is one
 // warp's serial walk: at 1024 entries 32 steps.)

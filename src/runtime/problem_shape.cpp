@@ -1,13 +1,17 @@
 #include "runtime/problem_shape.h"
 
 #include "runtime/host_tensor.h"
+#ifdef FP4MOE_WITH_CUDA
+#include "cuda/backend.h"
+#endif
 
 namespace fp4moe {
 namespace {
 bool given(const TensorView& v) { return v.present() || v.ndim > 0; }
 }  // namespace
 
-ProblemShape problem_shape(const PreparedWeights& w, const MoeArgs& a, bool with_lora, int64_t lora_rank, bool wgmma) {
+ProblemShape problem_shape(const PreparedWeights& w, const MoeArgs& a, bool with_lora, int64_t lora_rank,
+                           const DeviceDesc& device) {
   const RoutingArgs& r = a.routing;
   ProblemShape s;
   s.T = a.x.ndim > 0 ? a.x.shape[0] : 0;
@@ -26,7 +30,7 @@ ProblemShape problem_shape(const PreparedWeights& w, const MoeArgs& a, bool with
   s.shared_I = a.shared_expert ? a.shared_expert->impl().I : 0;
   s.has_lora = with_lora || a.adapters != nullptr;
   s.max_lora_rank = s.has_lora ? lora_rank : 0;
-  s.wgmma = wgmma;
+  s.device = device;
   s.gemm_config = static_cast<int>(a.gemm_tile);
   s.workspace_budget = a.workspace_budget;
   return s;
@@ -35,8 +39,13 @@ ProblemShape problem_shape(const PreparedWeights& w, const MoeArgs& a, bool with
 size_t call_workspace_size(const PreparedWeights& weights, const MoeArgs& args, bool with_lora, int64_t lora_rank) {
   const int tile = static_cast<int>(args.gemm_tile);
   check_gemm_tile(tile);
-  const bool wgmma = tile >= 0 && kGemmConfigs[tile].wgmma;
-  return workspace_size(problem_shape(weights, args, with_lora, lora_rank, wgmma));
+  // The weights' device: split-K's partial sums depend on its SM count.
+  DeviceDesc device;
+#ifdef FP4MOE_WITH_CUDA
+  if (weights.backend == Backend::CUDA) device = cuda_backend::device_desc(weights.device_id);
+#endif
+  device.wgmma = device.wgmma || (tile >= 0 && kGemmConfigs[tile].wgmma);
+  return workspace_size(problem_shape(weights, args, with_lora, lora_rank, device));
 }
 
 size_t workspace_size(const MoeWeights& weights, const MoeArgs& args) {

@@ -11,13 +11,13 @@ namespace fp4moe {
 
 // Tensors count by their shape: a view with a shape and no data describes a tensor for sizing (workspace_size
 // before the buffers exist). lora_rank: the largest adapter rank of the call's registry (0: unknown, sized for
-// the largest); LoRA is on when args.adapters is given or `with_lora` says so. wgmma: the device runs the sm_90a
-// tiles (the workspace does not depend on it).
+// the largest); LoRA is on when args.adapters is given or `with_lora` says so. device: the device the call runs on
+// (ProblemShape::device).
 ProblemShape problem_shape(const PreparedWeights& weights, const MoeArgs& args, bool with_lora, int64_t lora_rank,
-                           bool wgmma);
+                           const DeviceDesc& device);
 
-// Workspace bytes of a call (sizing only, any backend's weights): a forced wgmma tile is sized as on a device that
-// runs it. The public workspace_size(weights, args), the bindings and fp4moe_soak size through it.
+// Workspace bytes of a call (sizing only, any backend's weights), on the weights' device: a forced wgmma tile is
+// sized as on a device that runs it. The public workspace_size(weights, args), the bindings and fp4moe_soak size through it.
 size_t call_workspace_size(const PreparedWeights& weights, const MoeArgs& args, bool with_lora, int64_t lora_rank);
 
 }  // namespace fp4moe

@@ -27,15 +27,15 @@ void check_plan(const ProblemShape& s, std::mt19937_64& rng) {
                                     << " A4=" << (s.mode == ActMode::A4) << " bf16=" << (s.format == WeightFormat::BF16)
                                     << " shared=" << s.has_shared << " budget=" << s.workspace_budget
                                     << " lora=" << s.has_lora << " r=" << s.max_lora_rank
-                                    << " wgmma=" << s.wgmma << " tile=" << s.gemm_config);
+                                    << " wgmma=" << s.device.wgmma << " tile=" << s.gemm_config);
   const MoePlan p = make_plan(s);
   ASSERT_EQ(workspace_size(s), p.workspace_bytes);
-  if (!s.wgmma && s.gemm_config < 0) {
+  if (!s.device.wgmma && s.gemm_config < 0) {
     // On a wgmma device: the 64-token wgmma tile from 32 expected rows a local expert on (the 128-token one only
     // when forced), the same workspace
     // (workspace_size is asked without a device), and a plan that keeps every invariant below.
     ProblemShape w = s;
-    w.wgmma = true;
+    w.device.wgmma = true;
     const MoePlan pw = make_plan(w);
     EXPECT_EQ(pw.workspace_bytes, p.workspace_bytes);
     const int64_t E_total = s.E_total == 0 ? s.E_loc : s.E_total;
@@ -46,7 +46,7 @@ void check_plan(const ProblemShape& s, std::mt19937_64& rng) {
     for (int t = 0; t < kNumGemmConfigs; ++t) {
       ProblemShape f = s;
       f.gemm_config = t;
-      f.wgmma = kGemmConfigs[t].wgmma;
+      f.device.wgmma = kGemmConfigs[t].wgmma;
       EXPECT_EQ(make_plan(f).gemm_config, t);
       check_plan(f, rng);
     }
@@ -91,15 +91,15 @@ void check_plan(const ProblemShape& s, std::mt19937_64& rng) {
 
   // GEMM tiles cover N and K; the tile fits the warp grid; shared memory within the sm_90 limit.
   const GemmConfig& g = p.gemm;
-  // Tile bands (tile_of): a band's token rows within kBandTokenBytes (one m tile at least), set only where the grid's
-  // places fit an int and the token source outgrows kBandMinSourceBytes.
+  // Tile bands (tile_of): a band's token rows within band_token_bytes (one m tile at least), set only where the grid's
+  // places fit an int and the token source outgrows band_min_source_bytes.
   for (const auto& [band, src_rows, K, n_tiles] : {std::tuple{p.m_band1, p.chunk_tokens, p.k1_pad, p.n1_tiles},
                                                    std::tuple{p.m_band2, p.rows, p.k2_pad, p.n2_tiles}}) {
     EXPECT_GE(band, 0);
     EXPECT_LE(band, std::max<int64_t>(1, p.max_m_tiles));
-    const bool want = p.max_m_tiles * n_tiles <= 0x7fffffff && src_rows * K * 2 > kBandMinSourceBytes;
+    const bool want = p.max_m_tiles * n_tiles <= 0x7fffffff && src_rows * K * 2 > band_min_source_bytes(s.device);
     EXPECT_EQ(band > 0, want) << band;
-    if (band > 0) EXPECT_TRUE(band == 1 || band * g.bm * K * 2 <= kBandTokenBytes) << band;
+    if (band > 0) EXPECT_TRUE(band == 1 || band * g.bm * K * 2 <= band_token_bytes(s.device)) << band;
   }
   EXPECT_EQ(g.bk, 64);  // the prepared weight layout is blocked by 64 along K
   if (g.weights_as_a) {  // 16 or 32 weight rows per warp, tokens in groups of 8
@@ -124,8 +124,8 @@ void check_plan(const ProblemShape& s, std::mt19937_64& rng) {
     EXPECT_LE(c.split, chunks);
     EXPECT_LT((c.split - 1) * per, chunks) << "an empty split";
     // Only grids below the target are split, and towards at most twice the target.
-    EXPECT_LT(c.m_tiles * c.n_tiles, kSplitTargetBlocks);
-    EXPECT_LE((c.split - 1) * c.m_tiles * c.n_tiles, 2 * kSplitTargetBlocks);
+    EXPECT_LT(c.m_tiles * c.n_tiles, split_target_blocks(s.device));
+    EXPECT_LE((c.split - 1) * c.m_tiles * c.n_tiles, 2 * split_target_blocks(s.device));
     const int64_t accs = (g.bm / 8) * (g.bn / g.warps_n / 16);
     EXPECT_GE(p.split_partials.bytes, static_cast<size_t>(c.m_tiles * c.n_tiles * chunks * g.threads() * accs * 16));
     EXPECT_GE(p.split_counters.bytes, static_cast<size_t>(c.m_tiles * c.n_tiles * 4));
@@ -134,7 +134,7 @@ void check_plan(const ProblemShape& s, std::mt19937_64& rng) {
   EXPECT_LE(p.gemm_smem, 227u * 1024u);
   EXPECT_EQ(static_cast<int64_t>(p.gemm_smem), gemm_smem_bytes(g, s.format == WeightFormat::NVFP4));
   if (g.wgmma) {  // whole warpgroups of 64 weight rows; 1024-byte stages (the 128-byte swizzle's atom)
-    EXPECT_TRUE(s.wgmma);
+    EXPECT_TRUE(s.device.wgmma);
     EXPECT_EQ(g.warps_n % 4, 0);
     EXPECT_EQ(g.bn, 16 * g.warps_n);
     EXPECT_EQ(gemm_stage_bytes(g, s.format == WeightFormat::NVFP4) % 1024, 0);
@@ -320,6 +320,33 @@ TEST(Plan, RandomShapes) {
   }
 }
 
+// The plan on other devices (a device description of fewer or more SMs and another L2): every invariant holds,
+// the split target and the bands follow the device, and the H200's description is the default.
+TEST(Plan, OtherDevicesKeepTheInvariants) {
+  std::mt19937_64 rng(11);
+  EXPECT_EQ(split_target_blocks(DeviceDesc{}), 528);
+  const DeviceDesc devices[] = {{108, int64_t(40) << 20, false}, {148, int64_t(126) << 20, false},
+                                {132, int64_t(50) << 20, true}, {16, int64_t(4) << 20, false}};
+  for (const DeviceDesc& d : devices)
+    for (int i = 0; i < 400; ++i) {
+      const int64_t H = 16 * std::uniform_int_distribution<int64_t>(1, 512)(rng);
+      const int64_t I = 16 * std::uniform_int_distribution<int64_t>(1, 512)(rng);
+      const int64_t T = std::uniform_int_distribution<int64_t>(0, 20000)(rng);
+      ProblemShape s = random_shape(rng, H, I, T);
+      s.device = d;
+      check_plan(s, rng);
+      if (HasFatalFailure()) return;
+    }
+  // kimi_k3_tp8 at T=1: the split target is four blocks an SM.
+  ProblemShape s;
+  s.T = 1; s.H = 7168; s.I = 256; s.E_loc = s.E_total = 384; s.k = 8;
+  s.device = DeviceDesc{16, int64_t(4) << 20, false};
+  const MoePlan small = make_plan(s);
+  s.device = DeviceDesc{};
+  const MoePlan h200 = make_plan(s);
+  EXPECT_LE(small.split1, h200.split1);
+}
+
 // tile_of walks every tile of the grid once, band by band, each band's tiles n by n with m fastest.
 TEST(Plan, TileOrderIsAPermutationInBands) {
   std::mt19937_64 rng(5);
@@ -394,7 +421,7 @@ TEST(Plan, LoraNeverChangesChunkingOrTiles) {
       // On a wgmma device LoRA may keep the 32-row tile where the base takes the wgmma tile (plan.cpp); the chunking
       // and the base buffers' layout stay.
       ProblemShape bw = base, sw = s;
-      bw.wgmma = sw.wgmma = true;
+      bw.device.wgmma = sw.device.wgmma = true;
       const MoePlan pb = make_plan(bw), ps = make_plan(sw);
       EXPECT_EQ(ps.chunk_tokens, pb.chunk_tokens);
       EXPECT_TRUE(ps.gemm_config == pb.gemm_config || (pb.gemm_config == 3 && ps.gemm_config == p.gemm_config));
@@ -452,7 +479,7 @@ TEST(Plan, RefusesShapesTheKernelsCannotTake) {
   try { (void)make_plan(s); ADD_FAILURE(); } catch (const Error& e) {
     EXPECT_EQ(e.code(), ErrorCode::Unsupported); EXPECT_EQ(e.argument(), "gemm_tile");
   }
-  s.wgmma = true;
+  s.device.wgmma = true;
   EXPECT_NO_THROW(make_plan(s));
   s = ok; s.k = 0;
   try { (void)make_plan(s); ADD_FAILURE(); } catch (const Error& e) { EXPECT_EQ(e.argument(), "routing.top_k"); }

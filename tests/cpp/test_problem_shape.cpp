@@ -80,7 +80,7 @@ TEST(ProblemShape, CallWithBuffersAndShapeOnlyCallMapAlike) {
   want.max_lora_rank = 16;
   want.gemm_config = 1;
   want.workspace_budget = int64_t(64) << 20;
-  expect_same(problem_shape(w.impl(), a, false, 16, false), want);
+  expect_same(problem_shape(w.impl(), a, false, 16, DeviceDesc{}), want);
 
   // The same call described by shapes alone.
   MoeArgs s = a;
@@ -88,7 +88,7 @@ TEST(ProblemShape, CallWithBuffersAndShapeOnlyCallMapAlike) {
   s.routing.logits = make_view(nullptr, DType::F32, {T, E_total});
   s.adapters = nullptr;
   s.adapter_ids = TensorView{};
-  expect_same(problem_shape(w.impl(), s, true, 16, false), want);
+  expect_same(problem_shape(w.impl(), s, true, 16, DeviceDesc{}), want);
 
   // Precomputed routing: no logits, topk_ids by shape; n_group only counts for DeepSeekV3.
   s.routing.logits = TensorView{};
@@ -96,7 +96,7 @@ TEST(ProblemShape, CallWithBuffersAndShapeOnlyCallMapAlike) {
   s.routing.method = RoutingMethod::Renormalize;
   want.routing_from_logits = false;
   want.n_group = 1;
-  expect_same(problem_shape(w.impl(), s, true, 16, false), want);
+  expect_same(problem_shape(w.impl(), s, true, 16, DeviceDesc{}), want);
 }
 
 TEST(ProblemShape, WorkspaceSizeOfTheCpuBackendIsZeroAndWeightsAreChecked) {

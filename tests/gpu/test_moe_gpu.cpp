@@ -247,7 +247,7 @@ TEST(GpuBatchInvariance, SubBatchesEqualFullBatch) {
     auto call = make_gpu_call(c, in, *layer);
     const auto y = run_gpu(layer->gpu, *call);
     ProblemShape ps = problem_shape(c);
-    ps.wgmma = wgmma;
+    ps.device.wgmma = wgmma;
     EXPECT_EQ(make_plan(ps).gemm_config, wgmma ? 3 : (mode < 2 ? 1 : 2)) << "the full batch's tile (mode " << mode << ")";
     for (int tile = 0; tile < kNumGemmConfigs; ++tile) {
       if (kGemmConfigs[tile].wgmma && !wgmma) continue;
