@@ -200,62 +200,58 @@ void layouts_case(Case c, const char* label) {
   check_against_reference(c, *layer, R, cycle_ids(c.T, 8), label);
 }
 
-TEST(GpuLora, QwenLayoutsMixedRanksA16) {
-  FP4MOE_SKIP_WITHOUT_GPU();
-  Case c;
-  c.shape = model("qwen3_30b_a3b");
-  c.E_loc = c.E_total = 16;
-  c.T = 27;
-  c.check_tokens = 27;
-  c.seed = 31;
-  layouts_case(c, "qwen A16 nvfp4 gate-first");
-}
+// The eight layouts and ranks above on qwen3_30b_a3b experts, one row a variant of the layer.
+struct LayoutVariant {
+  const char* name;  // the test's name
+  const char* label;
+  int64_t E_loc, E_total, offset, T;
+  ActMode mode;
+  GateUpOrder order;
+  bool per_token_x_scale;
+  WeightFormat format;
+  bool bias, delta;
+  ActivationType activation;
+  uint64_t seed;
+};
+const LayoutVariant kLayoutVariants[] = {
+    {"QwenLayoutsMixedRanksA16", "qwen A16 nvfp4 gate-first", 16, 16, 0, 27, ActMode::A16, GateUpOrder::GateFirst,
+     false, WeightFormat::NVFP4, false, false, ActivationType::Swiglu, 31},
+    {"QwenLayoutsMixedRanksA4UpFirst", "qwen A4 nvfp4 up-first per-token", 16, 16, 0, 18, ActMode::A4,
+     GateUpOrder::UpFirst, true, WeightFormat::NVFP4, false, false, ActivationType::Swiglu, 32},
+    // The gate_up_lora_delta bridge and registry LoRA together, on an expert-parallel shard.
+    {"QwenBf16BiasExpertParallel", "qwen A16 bf16 bias EP 8/16 + bridge", 8, 16, 4, 18, ActMode::A16,
+     GateUpOrder::GateFirst, false, WeightFormat::BF16, true, true, ActivationType::Swiglu, 33},
+    {"NonGatedRelu2", "qwen Relu2 (non-gated) A16", 8, 8, 0, 18, ActMode::A16, GateUpOrder::GateFirst, false,
+     WeightFormat::NVFP4, false, false, ActivationType::Relu2, 34},
+};
 
-TEST(GpuLora, QwenLayoutsMixedRanksA4UpFirst) {
-  FP4MOE_SKIP_WITHOUT_GPU();
-  Case c;
-  c.shape = model("qwen3_30b_a3b");
-  c.E_loc = c.E_total = 16;
-  c.T = 18;
-  c.check_tokens = 18;
-  c.mode = ActMode::A4;
-  c.order = GateUpOrder::UpFirst;
-  c.per_token_x_scale = true;
-  c.seed = 32;
-  layouts_case(c, "qwen A4 nvfp4 up-first per-token");
-}
+void PrintTo(const LayoutVariant& v, std::ostream* os) { *os << v.name; }
 
-TEST(GpuLora, QwenBf16BiasExpertParallel) {
+class GpuLoraLayouts : public ::testing::TestWithParam<LayoutVariant> {};
+TEST_P(GpuLoraLayouts, MatchReference) {
   FP4MOE_SKIP_WITHOUT_GPU();
+  const LayoutVariant& v = GetParam();
   Case c;
   c.shape = model("qwen3_30b_a3b");
-  c.E_loc = 8;
-  c.E_total = 16;
-  c.offset = 4;
-  c.T = 18;
-  c.check_tokens = 18;
-  c.format = WeightFormat::BF16;
-  c.bias = true;
-  c.delta = true;  // the gate_up_lora_delta bridge and registry LoRA together
-  c.seed = 33;
-  layouts_case(c, "qwen A16 bf16 bias EP 8/16 + bridge");
+  c.shape.activation = v.activation;
+  c.E_loc = v.E_loc;
+  c.E_total = v.E_total;
+  c.offset = v.offset;
+  c.T = c.check_tokens = v.T;
+  c.mode = v.mode;
+  c.order = v.order;
+  c.per_token_x_scale = v.per_token_x_scale;
+  c.format = v.format;
+  c.bias = v.bias;
+  c.delta = v.delta;
+  c.seed = v.seed;
+  layouts_case(c, v.label);
 }
-
-TEST(GpuLora, NonGatedRelu2) {
-  FP4MOE_SKIP_WITHOUT_GPU();
-  Case c;
-  c.shape = model("qwen3_30b_a3b");
-  c.shape.activation = ActivationType::Relu2;
-  c.E_loc = c.E_total = 8;
-  c.T = 18;
-  c.check_tokens = 18;
-  c.seed = 34;
-  layouts_case(c, "qwen Relu2 (non-gated) A16");
-}
+INSTANTIATE_TEST_SUITE_P(Qwen, GpuLoraLayouts, ::testing::ValuesIn(kLayoutVariants),
+                         [](const ::testing::TestParamInfo<LayoutVariant>& i) { return std::string(i.param.name); });
 
 // Mixtral's I = 14336: the shrink of a (K = I) has 28 chunks of kKChunk, more than one round of the shrink
-// kernels' partial sums (src/cuda/lora.cu block_shrink carries the sum across rounds). First run on the H200 in
-// session 10 (bench/results/2026-11-30-h200-session10/r1): passes.
+// kernels' partial sums (src/cuda/lora.cu block_shrink carries the sum across rounds).
 TEST(GpuLora, MixtralLongKShrink) {
   FP4MOE_SKIP_WITHOUT_GPU();
   Case c;

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The closing H200 call of a session (kind nvidia-h200-x2, from an unpacked `git archive` with carried binaries in
-# BIN): the single-GPU tests (FILTER), per-kernel times of one call at T=1 and T=64 (ncu), the full
+# The reference run on a CUDA host with two GPUs (from a source tree with prebuilt binaries in BIN): the
+# single-GPU tests (FILTER), per-kernel times of one call at T=1 and T=64 (ncu), the full
 # `fp4moe bench` (every SPEC §1 shape, T = 1 .. 16384, with and without LoRA), the torch._grouped_mm bf16 baseline
 # in the same call with the ratio table, the plots, SiTU vs SwiGLU and A4 vs A16 (variant_bench.sh: its table goes to
 # the summary, its JSON with the plots into plots.tar), and — on the second GPU's machine — the Python distributed
-# test (extension built in the background). At most 8 files come back; the rest is removed.
+# test (extension built in the background). The results are kept to a few files; the rest is removed.
 set -u
 BUDGET=${BUDGET:-540}
 . "$(dirname "$0")/lib.sh"
