@@ -63,6 +63,8 @@ enum class LoraLayout : int32_t {
   PeftFused = 1,    // PEFT target_parameters: a_gate_up [E, r, H]; b_gate_up [E, N1, r] (gate rows first)
   SharedOuter = 2,  // a_gate_up [r, H] shared by all experts; b_gate_up [E, N1, r]; b_down [H, r] shared
 };
+// "per_expert", "peft_fused", "shared_outer": the names Python's layout= takes.
+const char* to_string(LoraLayout l);
 // All matrices bf16, host or device. Down: a_down [E, r, I], b_down [E, H, r] ([H, r] for SharedOuter).
 // Either projection may be absent. The scale s = lora_alpha / r (/ sqrt(r) with rsLoRA) is folded into
 // the B matrices at load (rounded once to bf16). For non-gated layers "gate_up" is the single W1 half.

@@ -244,6 +244,15 @@ std::shared_ptr<const PreparedAdapter> AdapterRegistry::State::convert(const Lor
   return a;
 }
 
+const char* to_string(LoraLayout l) {
+  switch (l) {
+    case LoraLayout::PerExpert: return "per_expert";
+    case LoraLayout::PeftFused: return "peft_fused";
+    case LoraLayout::SharedOuter: return "shared_outer";
+  }
+  return "?";
+}
+
 void AdapterRegistry::load(int slot, const LoraAdapterDesc& adapter) {
   if (slot < 0 || slot >= state_->num_slots)
     invalid("slot", "expected 0.." + std::to_string(state_->num_slots - 1) + ", got " + std::to_string(slot));

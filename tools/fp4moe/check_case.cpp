@@ -76,7 +76,7 @@ LaunchOutputs run_config(const Context& ctx, ShapeSetup& S, const Executor& dut,
   std::vector<std::vector<double>> r_ad(kNumAdapters);
   const std::string p1 = "individual adapters";
   for (int a = 0; a < kNumAdapters; ++a) {
-    const std::string name = "adapter " + std::to_string(a) + " (" + layout_name(adapter_layout(a)) + ")";
+    const std::string name = "adapter " + std::to_string(a) + " (" + to_string(adapter_layout(a)) + ")";
     guarded(rep, scope, p1, name, [&] {
       const std::vector<int32_t> ids(T, a);
       oracle.run(c, {"oracle_adapter", reg_o, &ids}, nullptr, &r_ad[a]);

@@ -23,14 +23,6 @@ uint64_t shape_seed(const ModelShape& s) { return fnv1a(s.name.data(), s.name.si
 
 }  // namespace
 
-const char* layout_name(LoraLayout l) {
-  switch (l) {
-    case LoraLayout::PerExpert: return "per_expert";
-    case LoraLayout::PeftFused: return "peft_fused";
-    case LoraLayout::SharedOuter: return "shared_outer";
-  }
-  return "?";
-}
 LoraLayout adapter_layout(int a) {
   // Mostly PEFT fused (what transformers 5 writes), with SGLang/vLLM per-expert and shared-outer ones.
   static constexpr LoraLayout kLayouts[kNumAdapters] = {

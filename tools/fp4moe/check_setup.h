@@ -21,7 +21,6 @@ inline constexpr int kZeroBSlot0 = 8, kNumZeroB = 3, kBridgeSlot = 11, kScratchS
 // Phase 3: the adapter of each request (-1 = base).
 inline constexpr int kRequestAdapter[kNumRequests] = {-1, 0, 1, -1, 2, 3, -1, 4, 5, -1, 6, 7};
 
-const char* layout_name(LoraLayout l);
 // The layout of adapter a of the eight.
 LoraLayout adapter_layout(int a);
 

@@ -273,14 +273,6 @@ class Staging {
 // ---- the adapters of the registry --------------------------------------------------------------
 constexpr int64_t kRanks[] = {4, 8, 16, 32, 64};
 constexpr LoraLayout kLayouts[] = {LoraLayout::PeftFused, LoraLayout::PerExpert, LoraLayout::SharedOuter};
-const char* layout_name(LoraLayout l) {
-  switch (l) {
-    case LoraLayout::PerExpert: return "per_expert";
-    case LoraLayout::PeftFused: return "peft_fused";
-    case LoraLayout::SharedOuter: return "shared_outer";
-  }
-  return "?";
-}
 
 // Loads and unloads adapters in the churn slots, and re-loads stable slots with their own content, until
 // stopped. pause() brings the churn slots to one state (all empty) so that memory readings compare alike.
@@ -1020,7 +1012,7 @@ int Soak::run() {
   for (int i = 0; i < o_.stable; ++i) reg_->load(i, stable_[i].desc());
   std::printf("registry: %d slots: %d stable adapters in 0..%d (ranks 4..64; %s, %s, %s), %d churn slots %d..%d, slot %d "
               "always empty\n",
-              o_.slots, o_.stable, o_.stable - 1, layout_name(kLayouts[0]), layout_name(kLayouts[1]), layout_name(kLayouts[2]),
+              o_.slots, o_.stable, o_.stable - 1, to_string(kLayouts[0]), to_string(kLayouts[1]), to_string(kLayouts[2]),
               churn_n_, churn_first_, empty_slot_ - 1, empty_slot_);
   int enabled = 0;
   for (int i = 0; i < kNumBad; ++i) enabled += bad_enabled(static_cast<Bad>(i));
