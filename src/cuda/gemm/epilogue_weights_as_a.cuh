@@ -16,7 +16,7 @@
 namespace fp4moe::cuda_backend {
 
 template <class Cfg, class Epi, class Act> struct WeightsAsAEpilogue {
-  static constexpr int RG = Cfg::BN / (16 * Cfg::WARPS_N);
+  static constexpr int RG = Cfg::ROW_GROUPS;
   // Tiles of 32+ rows keep each row's first-step t operand in shared memory (lora_lookup_rows' t0); the 8-row
   // tile cannot spare the 256 bytes (five blocks an SM fill its shared memory).
   static constexpr bool kStageT0 = Cfg::BM >= 32;

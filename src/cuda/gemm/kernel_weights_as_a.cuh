@@ -49,7 +49,7 @@ __device__ __forceinline__ void weights_as_a_tile(const GemmProblem& g, const ty
   using Epilogue = WeightsAsAEpilogue<Cfg, Epi, Act>;
   // RG row groups of 16 weight rows per warp: the token fragments, the loads and the loop are shared by RG
   // decode streams (a decode GEMM is bound by the instructions per weight byte).
-  constexpr int RG = Cfg::BN / (16 * Cfg::WARPS_N);
+  constexpr int RG = Cfg::ROW_GROUPS;
   static_assert(Cfg::WEIGHTS_AS_A && Cfg::WARPS_M == 1 && (RG == 1 || RG == 2) && Cfg::BN == 16 * RG * Cfg::WARPS_N &&
                     Cfg::BM % 8 == 0 && (!Cfg::WGMMA || RG == 1),
                 "weights-as-A tile");

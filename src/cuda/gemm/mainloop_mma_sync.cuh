@@ -94,7 +94,7 @@ template <class Cfg> struct TokensAsAMainloop {
 // The weights-as-A mma.sync mainloop: each warp's RG row groups of 16 weight rows times the tile's token groups of
 // 8 (BM / 8 of them, the first `groups` holding rows), accumulator (token group i, row group r) at i * RG + r.
 template <class Cfg> struct WeightsAsAMmaSync {
-  static constexpr int RG = Cfg::BN / (16 * Cfg::WARPS_N), GROUPS = Cfg::BM / 8, ACCS = GROUPS * RG;
+  static constexpr int RG = Cfg::ROW_GROUPS, GROUPS = Cfg::BM / 8, ACCS = GROUPS * RG;
   // This lane's ldmatrix rows (tokens i*8 + lane%8, k chunks 4h + lane/8, swizzled as TileLoader stores them).
   uint32_t tok_off[GROUPS][2];
   WarpWeightOffsets<Cfg> wo;

@@ -21,6 +21,7 @@ struct TileConfig {
   static constexpr int BLOCK_THREADS = THREADS;
   static constexpr int WTM = BM / WARPS_M, WTN = BN / WARPS_N;  // warp tile
   static constexpr int MT = WTM / 16, NT = WTN / 8;             // mma tiles per warp
+  static constexpr int ROW_GROUPS = WEIGHTS_AS_A ? WTN / 16 : 0;  // weights-as-A: groups of 16 weight rows a warp
   static constexpr int B_ROW_BYTES = FP4 ? 32 : 128;            // one row's 64 K of prepared weights
   static constexpr int A_BYTES = BM * BK * 2;
   static constexpr int B_BYTES = BN * B_ROW_BYTES;

@@ -42,7 +42,7 @@ __device__ __forceinline__ void weight_fragments(const uint8_t* st, const uint8_
 // registers (dev::opaque), not worked out again from threadIdx in every k-block: the loop's time is its instruction
 // count.
 template <class Cfg> struct WarpWeightOffsets {
-  static constexpr int RG = Cfg::BN / (16 * Cfg::WARPS_N);  // row groups of 16 weight rows a warp
+  static constexpr int RG = Cfg::ROW_GROUPS;
   uint32_t w_off, sf_off;
   __device__ __forceinline__ static WarpWeightOffsets make() {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gq = lane >> 2, t = lane & 3;
