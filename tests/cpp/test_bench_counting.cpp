@@ -69,6 +69,8 @@ TEST(BenchCounting, TouchAgainstBruteForce) {
     for (auto& v : aids) v = static_cast<int32_t>(rng() % 5) - 1;  // -1 = base
     std::set<int64_t> experts;
     std::set<std::pair<int, int64_t>> pairs;
+    std::set<int> adapters;
+    std::set<int64_t> adapted_tokens;
     int64_t slots = 0, adapted = 0;
     for (int64_t t = 0; t < T; ++t)
       for (int64_t j = 0; j < k; ++j) {
@@ -79,6 +81,8 @@ TEST(BenchCounting, TouchAgainstBruteForce) {
         if (aids[t] >= 0) {
           ++adapted;
           pairs.insert({aids[t], g});
+          adapters.insert(aids[t]);
+          adapted_tokens.insert(t);
         }
       }
     const bench::Touch got = bench::count_touch(ids, T, k, off, E_loc, aids);
@@ -86,13 +90,102 @@ TEST(BenchCounting, TouchAgainstBruteForce) {
     EXPECT_EQ(got.touched_experts, static_cast<int64_t>(experts.size()));
     EXPECT_EQ(got.adapted_slots, adapted);
     EXPECT_EQ(got.touched_pairs, static_cast<int64_t>(pairs.size()));
+    EXPECT_EQ(got.touched_adapters, static_cast<int64_t>(adapters.size()));
+    EXPECT_EQ(got.adapted_tokens, static_cast<int64_t>(adapted_tokens.size()));
     const bench::Touch base = bench::count_touch(ids, T, k, off, E_loc);
     EXPECT_EQ(base.local_slots, slots);
     EXPECT_EQ(base.adapted_slots, 0);
     EXPECT_EQ(base.touched_pairs, 0);
+    EXPECT_EQ(base.touched_adapters, 0);
+    EXPECT_EQ(base.adapted_tokens, 0);
   }
   EXPECT_THROW(bench::count_touch({0, 1, 2}, 2, 2, 0, 4), std::invalid_argument);
   EXPECT_THROW(bench::count_touch({0, 1}, 1, 2, 0, 4, {0, 0}), std::invalid_argument);
+}
+
+// kimi_k3_tp8's dimensions (H 3584, I 384, gated), rank 16, element counts worked by hand.
+TEST(BenchCounting, LoraBytesByLayout) {
+  // PEFT-fused pair: A1 16x3584 = 57344, B1 768x16 = 12288, A2 16x384 = 6144, B2 3584x16 = 57344; 133120 bf16.
+  EXPECT_EQ(bench::lora_pair_bytes(3584, 384, true, 16), 266240);
+  // Shared-outer, once per adapter: A1 57344 + B2 57344 = 114688 bf16; per pair: B1 12288 + A2 6144 = 18432 bf16.
+  EXPECT_EQ(bench::lora_shared_outer_bytes(3584, 16), 229376);
+  EXPECT_EQ(bench::lora_shared_outer_pair_bytes(384, true, 16), 36864);
+  EXPECT_EQ(bench::lora_shared_outer_pair_bytes(384, false, 16), 24576);  // non-gated B1 [I, r]: 6144 + 6144 bf16
+  bench::Touch t;
+  t.touched_pairs = 10;
+  t.touched_adapters = 3;
+  EXPECT_EQ(bench::lora_touched_bytes(t, false, 3584, 384, true, 16), 2662400);      // 10 x 266240
+  EXPECT_EQ(bench::lora_touched_bytes(t, true, 3584, 384, true, 16), 1056768);       // 3 x 229376 + 10 x 36864
+  EXPECT_EQ(bench::lora_touched_bytes(bench::Touch{}, true, 3584, 384, true, 16), 0);  // no adapter used
+}
+
+TEST(BenchCounting, LoraFlopsByLayout) {
+  // H 48, I 32 gated (N1 64), r 4; 12 adapted slots on 5 adapted tokens.
+  bench::Touch t;
+  t.adapted_slots = 12;
+  t.adapted_tokens = 5;
+  // PEFT-fused: each slot 4 x (48 + 64 + 32 + 48) = 768 multiply-adds; 12 x 768 x 2 = 18432.
+  EXPECT_DOUBLE_EQ(bench::lora_touched_flops(t, false, 48, 32, true, 4), 18432.0);
+  // Shared-outer: each slot 4 x (64 + 32) = 384, each token 4 x (48 + 48) = 384; (12 + 5) x 384 x 2 = 13056.
+  EXPECT_DOUBLE_EQ(bench::lora_touched_flops(t, true, 48, 32, true, 4), 13056.0);
+}
+
+TEST(BenchCounting, LoraCaseAdapterIds) {
+  using bench::LoraCase;
+  EXPECT_EQ(bench::lora_case_adapter_ids(LoraCase::PerExpert8, 10, 8), (std::vector<int32_t>{0, 1, 2, 3, 4, 5, 6, 7, 0, 1}));
+  EXPECT_EQ(bench::lora_case_adapter_ids(LoraCase::SharedOuter8, 3, 8), (std::vector<int32_t>{0, 1, 2}));
+  EXPECT_EQ(bench::lora_case_adapter_ids(LoraCase::OneAdapter, 4, 8), (std::vector<int32_t>{0, 0, 0, 0}));
+  EXPECT_EQ(bench::lora_case_adapter_ids(LoraCase::HalfBase, 5, 8), (std::vector<int32_t>{0, -1, 1, -1, 2}));
+  const std::vector<int32_t> half = bench::lora_case_adapter_ids(LoraCase::HalfBase, 18, 8);
+  EXPECT_EQ(half[14], 7);
+  EXPECT_EQ(half[16], 0);  // the ninth adapted token wraps to adapter 0
+  EXPECT_EQ(half[17], -1);
+  EXPECT_TRUE(bench::lora_case_adapter_ids(LoraCase::PerExpert8, 0, 8).empty());
+  EXPECT_THROW(bench::lora_case_adapter_ids(LoraCase::PerExpert8, 4, 0), std::invalid_argument);
+}
+
+// Four tokens, top-2, four local experts: the touches and adapter bytes of each case worked by hand.
+TEST(BenchCounting, LoraCasesOnOneRouting) {
+  using bench::LoraCase;
+  const std::vector<int32_t> ids = {0, 1, 1, 2, 0, 1, 2, 3};  // token t's experts: ids[2t], ids[2t + 1]
+  auto touch = [&](LoraCase c) { return bench::count_touch(ids, 4, 2, 0, 4, bench::lora_case_adapter_ids(c, 4, 8)); };
+  // per_expert8, ids 0 1 2 3: pairs (0,0) (0,1) (1,1) (1,2) (2,0) (2,1) (3,2) (3,3).
+  const bench::Touch pe = touch(LoraCase::PerExpert8);
+  EXPECT_EQ(pe.touched_pairs, 8);
+  EXPECT_EQ(pe.touched_adapters, 4);
+  EXPECT_EQ(pe.adapted_tokens, 4);
+  EXPECT_EQ(pe.adapted_slots, 8);
+  EXPECT_EQ(bench::lora_touched_bytes(pe, false, 3584, 384, true, 16), 2129920);  // 8 x 266240
+  // shared_outer8: the same touches; 4 x 229376 shared + 8 x 36864 per pair.
+  const bench::Touch so = touch(LoraCase::SharedOuter8);
+  EXPECT_EQ(bench::lora_touched_bytes(so, true, 3584, 384, true, 16), 1212416);
+  // one_adapter: adapter 0 on experts 0, 1, 2, 3.
+  const bench::Touch one = touch(LoraCase::OneAdapter);
+  EXPECT_EQ(one.touched_pairs, 4);
+  EXPECT_EQ(one.touched_adapters, 1);
+  EXPECT_EQ(bench::lora_touched_bytes(one, false, 3584, 384, true, 16), 1064960);  // 4 x 266240
+  // half_base, ids 0 -1 1 -1: token 0 (adapter 0) and token 2 (adapter 1), both on experts 0 and 1.
+  const bench::Touch half = touch(LoraCase::HalfBase);
+  EXPECT_EQ(half.touched_pairs, 4);
+  EXPECT_EQ(half.touched_adapters, 2);
+  EXPECT_EQ(half.adapted_tokens, 2);
+  EXPECT_EQ(half.adapted_slots, 4);
+  EXPECT_EQ(half.local_slots, 8);
+  EXPECT_EQ(half.touched_experts, 4);
+}
+
+TEST(BenchOptions, LoraCaseNames) {
+  using bench::LoraCase;
+  EXPECT_EQ(bench::parse_lora_cases("per_expert8,shared_outer8,one_adapter,half_base"),
+            (std::vector<LoraCase>{LoraCase::PerExpert8, LoraCase::SharedOuter8, LoraCase::OneAdapter, LoraCase::HalfBase}));
+  EXPECT_EQ(bench::parse_lora_cases("half_base,per_expert8"), (std::vector<LoraCase>{LoraCase::HalfBase, LoraCase::PerExpert8}));
+  for (const LoraCase c : bench::kAllLoraCases)
+    EXPECT_EQ(bench::parse_lora_cases(bench::lora_case_name(c)), std::vector<LoraCase>{c});
+  EXPECT_STREQ(bench::lora_case_name(LoraCase::SharedOuter8), "shared_outer8");
+  EXPECT_TRUE(bench::lora_case_shared_outer(LoraCase::SharedOuter8));
+  EXPECT_FALSE(bench::lora_case_shared_outer(LoraCase::HalfBase));
+  for (const char* bad : {"", "base", "per_expert", "one_adapter,one_adapter", "half_base,"})
+    EXPECT_THROW(bench::parse_lora_cases(bad), std::invalid_argument) << bad;
 }
 
 TEST(BenchCounting, PercentileOrderStatistics) {
@@ -166,7 +259,7 @@ TEST(BenchOptions, ActivationVariants) {
   EXPECT_EQ(s.H, before.H);
 }
 
-// The table's "LoRA / base" column: the LoRA row over the same shape and T without LoRA, nothing otherwise.
+// The table's "/ base" column: the LoRA row over the same shape and T without LoRA, nothing otherwise.
 TEST(BenchTable, LoraOverBase) {
   struct Row {
     std::string shape;

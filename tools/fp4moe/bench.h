@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <iterator>
 #include <set>
 #include <stdexcept>
 #include <string>
@@ -55,6 +56,15 @@ inline int64_t lora_pair_bytes(int64_t H, int64_t I, bool gated, int64_t r) {
   return 2 * (r * H + N1 * r + r * I + H * r);
 }
 
+// bf16 bytes of what a shared-outer rank-r adapter shares among all experts (SPEC §5): A1 [r, H] and B2 [H, r].
+inline int64_t lora_shared_outer_bytes(int64_t H, int64_t r) { return 2 * (r * H + H * r); }
+
+// bf16 bytes of one (adapter, expert) pair of a shared-outer rank-r adapter: the expert's own B1 [N1, r] and A2 [r, I].
+inline int64_t lora_shared_outer_pair_bytes(int64_t I, bool gated, int64_t r) {
+  const int64_t N1 = gated ? 2 * I : I;
+  return 2 * (N1 * r + r * I);
+}
+
 // ---- FLOPs ----------------------------------------------------------------------------------------
 // Base operator: each routed (token, slot) pair on a local expert does GEMM1 (N1 x H) and GEMM2 (H x I).
 inline double base_flops(int64_t local_slots, int64_t H, int64_t I, bool gated) {
@@ -65,6 +75,48 @@ inline double base_flops(int64_t local_slots, int64_t H, int64_t I, bool gated) 
 inline double lora_flops(int64_t adapted_slots, int64_t H, int64_t I, bool gated, int64_t r) {
   const double N1 = gated ? 2.0 * I : double(I);
   return 2.0 * double(adapted_slots) * double(r) * (double(H) + N1 + double(I) + double(H));
+}
+
+// Shared-outer LoRA: the per-expert B1 expand and A2 shrink for every adapted (token, slot) pair, the shared A1
+// shrink and B2 expand once per adapted token (SPEC §5: the down expand runs on the token's weighted sum).
+inline double lora_flops_shared_outer(int64_t adapted_slots, int64_t adapted_tokens, int64_t H, int64_t I, bool gated,
+                                      int64_t r) {
+  const double N1 = gated ? 2.0 * I : double(I);
+  return 2.0 * double(r) * (double(adapted_slots) * (N1 + double(I)) + double(adapted_tokens) * 2.0 * double(H));
+}
+
+// ---- the LoRA cases ---------------------------------------------------------------------------------
+// per_expert8: n PEFT-fused adapters, token t on adapter t % n; shared_outer8: the same with shared-outer adapters;
+// one_adapter: one PEFT-fused adapter on every token; half_base: n PEFT-fused adapters on the even tokens, the odd
+// tokens base.
+enum class LoraCase { PerExpert8, SharedOuter8, OneAdapter, HalfBase };
+inline constexpr LoraCase kAllLoraCases[] = {LoraCase::PerExpert8, LoraCase::SharedOuter8, LoraCase::OneAdapter,
+                                             LoraCase::HalfBase};
+inline constexpr int kNumLoraCases = static_cast<int>(std::size(kAllLoraCases));
+
+inline const char* lora_case_name(LoraCase c) {
+  switch (c) {
+    case LoraCase::PerExpert8: return "per_expert8";
+    case LoraCase::SharedOuter8: return "shared_outer8";
+    case LoraCase::OneAdapter: return "one_adapter";
+    case LoraCase::HalfBase: return "half_base";
+  }
+  return "?";
+}
+
+// Whether the case's adapters are shared-outer; the other cases' are PEFT-fused (every matrix per expert).
+inline bool lora_case_shared_outer(LoraCase c) { return c == LoraCase::SharedOuter8; }
+
+// Token t's adapter id in case c with n adapters loaded (-1 = base).
+inline std::vector<int32_t> lora_case_adapter_ids(LoraCase c, int64_t T, int n) {
+  if (T < 0 || n <= 0) throw std::invalid_argument("lora_case_adapter_ids: T must be >= 0 and n positive");
+  std::vector<int32_t> v(static_cast<size_t>(T));
+  for (int64_t t = 0; t < T; ++t) {
+    if (c == LoraCase::OneAdapter) v[t] = 0;
+    else if (c == LoraCase::HalfBase) v[t] = t % 2 ? -1 : static_cast<int32_t>((t / 2) % n);
+    else v[t] = static_cast<int32_t>(t % n);
+  }
+  return v;
 }
 
 // ---- what a routing touches -------------------------------------------------------------------------
@@ -78,10 +130,12 @@ template <class Row> double lora_over_base(const std::vector<Row>& rows, const R
 }
 
 struct Touch {
-  int64_t local_slots = 0;      // (token, slot) pairs whose expert is local
-  int64_t touched_experts = 0;  // local experts with at least one such pair
-  int64_t adapted_slots = 0;    // local pairs whose token carries an adapter (id >= 0)
-  int64_t touched_pairs = 0;    // distinct (adapter, local expert) pairs used
+  int64_t local_slots = 0;       // (token, slot) pairs whose expert is local
+  int64_t touched_experts = 0;   // local experts with at least one such pair
+  int64_t adapted_slots = 0;     // local pairs whose token carries an adapter (id >= 0)
+  int64_t touched_pairs = 0;     // distinct (adapter, local expert) pairs used
+  int64_t adapted_tokens = 0;    // tokens with an adapter and at least one local pair
+  int64_t touched_adapters = 0;  // distinct adapters of those tokens
 };
 
 // ids: [T, k] global expert ids; local experts are [offset, offset + E_loc). adapter_ids: [T] or empty
@@ -95,20 +149,43 @@ inline Touch count_touch(const std::vector<int32_t>& ids, int64_t T, int64_t k, 
   Touch t;
   std::vector<char> hit(static_cast<size_t>(E_loc), 0);
   std::set<std::pair<int32_t, int64_t>> pairs;
-  for (int64_t i = 0; i < T; ++i)
+  std::set<int32_t> adapters;
+  for (int64_t i = 0; i < T; ++i) {
+    const bool adapted = !adapter_ids.empty() && adapter_ids[i] >= 0;
+    bool local = false;
     for (int64_t j = 0; j < k; ++j) {
       const int64_t e = static_cast<int64_t>(ids[i * k + j]) - offset;
       if (e < 0 || e >= E_loc) continue;
       ++t.local_slots;
       hit[e] = 1;
-      if (!adapter_ids.empty() && adapter_ids[i] >= 0) {
+      local = true;
+      if (adapted) {
         ++t.adapted_slots;
         pairs.insert({adapter_ids[i], e});
       }
     }
+    if (adapted && local) {
+      ++t.adapted_tokens;
+      adapters.insert(adapter_ids[i]);
+    }
+  }
   for (char h : hit) t.touched_experts += h;
   t.touched_pairs = static_cast<int64_t>(pairs.size());
+  t.touched_adapters = static_cast<int64_t>(adapters.size());
   return t;
+}
+
+// Adapter bytes one routing touches: PEFT-fused, the four matrices of every touched (adapter, expert) pair;
+// shared-outer, each used adapter's shared A1 and B2 once and every touched pair's own B1 and A2.
+inline int64_t lora_touched_bytes(const Touch& t, bool shared_outer, int64_t H, int64_t I, bool gated, int64_t r) {
+  if (!shared_outer) return t.touched_pairs * lora_pair_bytes(H, I, gated, r);
+  return t.touched_adapters * lora_shared_outer_bytes(H, r) + t.touched_pairs * lora_shared_outer_pair_bytes(I, gated, r);
+}
+
+// Adapter FLOPs of one routing, by layout (lora_flops, lora_flops_shared_outer).
+inline double lora_touched_flops(const Touch& t, bool shared_outer, int64_t H, int64_t I, bool gated, int64_t r) {
+  if (!shared_outer) return lora_flops(t.adapted_slots, H, I, gated, r);
+  return lora_flops_shared_outer(t.adapted_slots, t.adapted_tokens, H, I, gated, r);
 }
 
 // ---- statistics ------------------------------------------------------------------------------------
@@ -189,6 +266,22 @@ inline std::vector<std::string> split_list(const std::string& s) {
     out.push_back(item);
     if (j == std::string::npos) break;
     i = j + 1;
+  }
+  return out;
+}
+
+// "per_expert8,half_base" -> the cases in that order; throws std::invalid_argument on an unknown or repeated name.
+inline std::vector<LoraCase> parse_lora_cases(const std::string& s) {
+  std::vector<LoraCase> out;
+  for (const std::string& name : split_list(s)) {
+    const LoraCase* found = nullptr;
+    for (const LoraCase& c : kAllLoraCases)
+      if (name == lora_case_name(c)) found = &c;
+    if (!found)
+      throw std::invalid_argument("unknown LoRA case '" + name + "' (per_expert8, shared_outer8, one_adapter, half_base)");
+    if (std::find(out.begin(), out.end(), *found) != out.end())
+      throw std::invalid_argument("LoRA case '" + name + "' listed twice");
+    out.push_back(*found);
   }
   return out;
 }
