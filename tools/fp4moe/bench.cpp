@@ -19,6 +19,7 @@
 #include <cstring>
 #include <future>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -40,6 +41,26 @@ namespace bench {
 namespace {
 
 #ifdef FP4MOE_WITH_CUDA
+// Probes the backend for this layout, then loads kLoraAdapters synthetic adapters of it (generated on threads, the
+// bulk of the setup; they need only the layer's dimensions) into a registry of their own; set.status says why not.
+void load_adapters(AdapterSet& set, const ShapeCtx& c, const SyntheticLayer& L, LoraLayout layout, uint64_t seed,
+                   const Options& o) {
+  set.status = probe_lora(*c.shape, o.format, o.device, layout);
+  if (!set.status.empty()) return;
+  SyntheticLayer dims;
+  dims.E = L.E; dims.H = L.H; dims.I = L.I; dims.gated = L.gated; dims.format = L.format; dims.order = L.order;
+  std::vector<std::future<SyntheticAdapter>> fa;
+  for (int a = 0; a < kLoraAdapters; ++a)
+    fa.push_back(std::async(std::launch::async, [&dims, a, seed, layout] {
+      return make_synthetic_adapter(dims, kLoraRank, seed + a, layout);
+    }));
+  set.registry = std::make_unique<AdapterRegistry>(c.w, kLoraAdapters);
+  for (int a = 0; a < kLoraAdapters; ++a) {
+    SyntheticAdapter ad = fa[a].get();
+    set.registry->load(a, ad.desc());
+  }
+}
+
 int run_bench_cuda(const Options& o) {
   const auto t_start = std::chrono::steady_clock::now();
   auto elapsed = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count(); };
@@ -122,26 +143,12 @@ int run_bench_cuda(const Options& o) {
       c.alpha = DeviceBuffer::from(L.alpha);
       c.beta = DeviceBuffer::from(L.beta);
       if (!L.clamp.empty()) c.clamp = DeviceBuffer::from(L.clamp);
-      if (o.lora) {
-        c.lora_status = probe_lora(s, o.format, o.device);
-        if (c.lora_status.empty()) {
-          // The adapters need only the layer's dimensions; generated on threads (the bulk of the setup).
-          SyntheticLayer dims;
-          dims.E = L.E; dims.H = L.H; dims.I = L.I; dims.gated = L.gated; dims.format = L.format; dims.order = L.order;
-          std::vector<std::future<SyntheticAdapter>> fa;
-          for (int a = 0; a < kLoraAdapters; ++a)
-            fa.push_back(std::async(std::launch::async, [&dims, a, si] {
-              return make_synthetic_adapter(dims, kLoraRank, 5000 + 100 * si + a);
-            }));
-          c.registry = std::make_unique<AdapterRegistry>(c.w, kLoraAdapters);
-          for (int a = 0; a < kLoraAdapters; ++a) {
-            SyntheticAdapter ad = fa[a].get();
-            c.registry->load(a, ad.desc());
-          }
-        }
-      } else {
-        c.lora_status = "not run (--no-lora)";
-      }
+      // Only the layouts of the chosen cases are probed and loaded (a probe's kernels would show up in a profile).
+      bool want_fused = false, want_shared = false;
+      if (o.lora)
+        for (LoraCase lc : o.lora_cases) (lora_case_shared_outer(lc) ? want_shared : want_fused) = true;
+      if (want_fused) load_adapters(c.peft_fused, c, L, LoraLayout::PeftFused, 5000 + 100 * si, o);
+      if (want_shared) load_adapters(c.shared_outer, c, L, LoraLayout::SharedOuter, 7000 + 100 * si, o);
     }  // host copy of the synthetic layer freed here
     // A small routing bias (std 0.01): with N(0, 1) logits, sigmoid scores spread ~0.2, so the selection stays close
     // to uniform over experts, as the SPEC's floors assume (a 0.1 bias concentrated kimi_k3_tp8's T=1024 batch on
@@ -150,42 +157,48 @@ int run_bench_cuda(const Options& o) {
     c.bias = DeviceBuffer::from(c.bias_host);
     int64_t maxT = 0;
     for (int64_t T : o.tokens) maxT = std::max(maxT, T);
-    c.adapter_ids = DeviceBuffer::from(adapter_ids_for(maxT));
+    for (LoraCase lc : kAllLoraCases)
+      c.adapter_ids[static_cast<size_t>(lc)] = DeviceBuffer::from(lora_case_adapter_ids(lc, maxT, kLoraAdapters));
+    std::string lora_note;
+    if (!c.peft_fused.status.empty()) lora_note += " LoRA (PEFT-fused): " + c.peft_fused.status;
+    if (!c.shared_outer.status.empty()) lora_note += " LoRA (shared-outer): " + c.shared_outer.status;
     std::printf("== %s (H=%lld I=%lld E=%lld E_loc=%lld k=%lld %s %s)%s [%.1f s]\n", std::string(s.name).c_str(),
                 (long long)s.H, (long long)s.I, (long long)s.E, (long long)s.E_loc, (long long)s.k, to_string(s.routing),
-                to_string(s.activation), c.registry ? "" : (" LoRA: " + c.lora_status).c_str(), elapsed());
+                to_string(s.activation), lora_note.c_str(), elapsed());
     std::fflush(stdout);
 
     for (int64_t T : o.tokens) {
-      std::vector<bench::Touch> touches;
-      const std::vector<int32_t> aids = adapter_ids_for(T);
-      for (int k = 0; k < o.sets; ++k) {
-        const std::vector<int32_t> ids = host_route(c, T, pools.logits_host.data() + k * pools.set_shift_logits);
-        touches.push_back(bench::count_touch(ids, T, s.k, 0, c.E_loc, aids));
-      }
-      for (bool lora : {false, true}) {
-        if (lora ? !o.lora : !o.base) continue;
-        const double ref_mem = ceil.copy_gbps, ref_gemm = ceil.gemm_tflops;
+      std::vector<std::vector<int32_t>> routings;  // one per input set
+      for (int k = 0; k < o.sets; ++k) routings.push_back(host_route(c, T, pools.logits_host.data() + k * pools.set_shift_logits));
+      auto run_one = [&](std::optional<LoraCase> lora) {
+        const std::vector<int32_t> aids = lora ? lora_case_adapter_ids(*lora, T, kLoraAdapters) : std::vector<int32_t>{};
+        std::vector<bench::Touch> touches;
+        for (const auto& ids : routings) touches.push_back(bench::count_touch(ids, T, s.k, 0, c.E_loc, aids));
         CaseResult r = run_case(d, c, pools, T, lora, o, ws, touches);
-        if (r.status == "ok") r.m = bench::derive_metrics(r.median_us, r.weight_bytes + r.lora_bytes, r.io, r.flops, ref_mem, ref_gemm);
         if (r.status == "ok")
-          std::printf("  T=%-6lld %-5s %10.1f us  p10 %9.1f  p90 %9.1f  %6.0f GB/s (%.2f of copy)  %6.1f TFLOP/s (%.2f of gemm)  "
+          r.m = bench::derive_metrics(r.median_us, r.weight_bytes + r.lora_bytes, r.io, r.flops, ceil.copy_gbps, ceil.gemm_tflops);
+        if (r.status == "ok")
+          std::printf("  T=%-6lld %-13s %10.1f us  p10 %9.1f  p90 %9.1f  %6.0f GB/s (%.2f of copy)  %6.1f TFLOP/s (%.2f of gemm)  "
                       "floor %8.1f us  x%.2f  %s%s\n",
-                      (long long)T, lora ? "lora" : "base", r.median_us, r.p10_us, r.p90_us, r.m.gbps, r.m.ratio_copy, r.m.tflops,
+                      (long long)T, r.lora_case.c_str(), r.median_us, r.p10_us, r.p90_us, r.m.gbps, r.m.ratio_copy, r.m.tflops,
                       r.m.ratio_gemm, r.m.floor_us, r.m.time_over_floor, r.output_check.c_str(), r.graph ? "" : " (no graph)");
         else
-          std::printf("  T=%-6lld %-5s %s: %s\n", (long long)T, lora ? "lora" : "base", r.status.c_str(), r.message.c_str());
+          std::printf("  T=%-6lld %-13s %s: %s\n", (long long)T, r.lora_case.c_str(), r.status.c_str(), r.message.c_str());
         std::fflush(stdout);
         results.push_back(std::move(r));
-      }
+      };
+      if (o.base) run_one(std::nullopt);
+      if (o.lora)
+        for (LoraCase lc : o.lora_cases) run_one(lc);
     }
     if (!save_json(false)) std::fprintf(stderr, "fp4moe bench: cannot write %s\n", o.json_path.c_str());
   }
 
   std::printf("\n%s", markdown_table(results).c_str());
   std::printf("\n(time per moe_run: median of >= %d CUDA-graph replays, L2 flushed before each; weights MB: touched weight\n"
-              "bytes incl. LoRA; /copy and /gemm: ratios to the ceilings measured above; floor: max(bytes / copy, FLOPs / gemm);\n"
-              "LoRA / base: a LoRA row's median over the same shape and T without LoRA, in this run)\n",
+              "bytes incl. LoRA, LoRA MB: the touched adapter matrices among them; /copy and /gemm: ratios to the ceilings\n"
+              "measured above; floor: max(bytes / copy, FLOPs / gemm), each case with its own bytes and FLOPs;\n"
+              "/ base: a LoRA row's median over the same shape and T without LoRA, in this run)\n",
               o.runs);
   std::printf("bench finished in %.1f s\n", elapsed());
 

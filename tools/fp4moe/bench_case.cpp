@@ -16,7 +16,7 @@ namespace {
 // The call's arguments; o: the run's format, mode, forced tile and workspace budget. Null buffers give a call of
 // shapes only (workspace_size).
 MoeArgs make_args(const ShapeCtx& c, int64_t T, const void* x, const void* logits, void* y, const DeviceBuffer& ws,
-                  bool lora, const Options& o, cudaStream_t stream, int dev) {
+                  std::optional<LoraCase> lora, const Options& o, cudaStream_t stream, int dev) {
   const ModelShape& s = *c.shape;
   const ActMode mode = o.mode;
   MoeArgs a;
@@ -42,8 +42,8 @@ MoeArgs make_args(const ShapeCtx& c, int64_t T, const void* x, const void* logit
     a.fc2_input_scale = 12.f / (448.f * 6.f);
   }
   if (lora) {
-    a.adapters = c.registry.get();
-    a.adapter_ids = make_view(c.adapter_ids.get(), DType::I32, {T}, Backend::CUDA, dev);
+    a.adapters = c.adapters(*lora).registry.get();
+    a.adapter_ids = make_view(c.adapter_ids[static_cast<size_t>(*lora)].get(), DType::I32, {T}, Backend::CUDA, dev);
   }
   a.y = make_view(y, DType::BF16, {T, s.H}, Backend::CUDA, dev);
   a.workspace = make_view(ws.get(), DType::U8, {static_cast<int64_t>(ws.bytes())}, Backend::CUDA, dev);
@@ -106,16 +106,17 @@ std::vector<int32_t> host_route(const ShapeCtx& c, int64_t T, const float* logit
   return ids;
 }
 
-CaseResult run_case(Device& d, ShapeCtx& c, const Pools& pools, int64_t T, bool lora, const Options& o,
-                    DeviceBuffer& ws, const std::vector<bench::Touch>& touches) {
+CaseResult run_case(Device& d, ShapeCtx& c, const Pools& pools, int64_t T, std::optional<LoraCase> lora,
+                    const Options& o, DeviceBuffer& ws, const std::vector<bench::Touch>& touches) {
   const ModelShape& s = *c.shape;
   CaseResult r;
   r.shape = std::string(s.name);
   r.T = T;
-  r.lora = lora;
-  if (lora && !c.registry) {
+  r.lora = lora.has_value();
+  if (lora) r.lora_case = lora_case_name(*lora);
+  if (lora && !c.adapters(*lora).registry) {
     r.status = "unsupported";
-    r.message = c.lora_status;
+    r.message = c.adapters(*lora).status;
     return r;
   }
   DeviceBuffer y(static_cast<size_t>(T * s.H * 2));
@@ -215,37 +216,30 @@ CaseResult run_case(Device& d, ShapeCtx& c, const Pools& pools, int64_t T, bool 
 
   // Counting: means over the input sets (the replays cycle through them evenly).
   const double per_expert = double(bench::expert_weight_bytes(o.format, s.H, s.I, c.gated));
-  const double per_pair = double(bench::lora_pair_bytes(s.H, s.I, c.gated, kLoraRank));
+  const bool shared_outer = lora && lora_case_shared_outer(*lora);
   for (const auto& t : touches) {
     r.local_slots += double(t.local_slots) / sets;
     r.touched_experts += double(t.touched_experts) / sets;
-    r.adapted_slots += double(lora ? t.adapted_slots : 0) / sets;
-    r.touched_pairs += double(lora ? t.touched_pairs : 0) / sets;
+    r.flops += bench::base_flops(t.local_slots, s.H, s.I, c.gated) / sets;
+    if (!lora) continue;
+    r.adapted_slots += double(t.adapted_slots) / sets;
+    r.touched_pairs += double(t.touched_pairs) / sets;
+    r.adapted_tokens += double(t.adapted_tokens) / sets;
+    r.touched_adapters += double(t.touched_adapters) / sets;
+    r.lora_bytes += double(bench::lora_touched_bytes(t, shared_outer, s.H, s.I, c.gated, kLoraRank)) / sets;
+    r.flops += bench::lora_touched_flops(t, shared_outer, s.H, s.I, c.gated, kLoraRank) / sets;
   }
   r.weight_bytes = r.touched_experts * per_expert;
-  r.lora_bytes = lora ? r.touched_pairs * per_pair : 0;
-  r.io = bench::io_bytes(T, s.H, c.E_total, lora);
-  double flops = 0;
-  for (const auto& t : touches) {
-    flops += bench::base_flops(t.local_slots, s.H, s.I, c.gated) / sets;
-    if (lora) flops += bench::lora_flops(t.adapted_slots, s.H, s.I, c.gated, kLoraRank) / sets;
-  }
-  r.flops = flops;
+  r.io = bench::io_bytes(T, s.H, c.E_total, r.lora);
   return r;
 }
 
-std::vector<int32_t> adapter_ids_for(int64_t T) {
-  std::vector<int32_t> v(static_cast<size_t>(T));
-  for (int64_t t = 0; t < T; ++t) v[t] = static_cast<int32_t>(t % kLoraAdapters);
-  return v;
-}
-
-std::string probe_lora(const ModelShape& s, WeightFormat format, int dev) {
+std::string probe_lora(const ModelShape& s, WeightFormat format, int dev, LoraLayout layout) {
   try {
     SyntheticLayer tiny = make_synthetic_layer(s, 1, 77, format);
     MoeWeights tw = prepare_weights(tiny.desc(), Backend::CUDA, dev);
     AdapterRegistry reg(tw, kLoraAdapters);
-    SyntheticAdapter ad = make_synthetic_adapter(tiny, kLoraRank, 78);
+    SyntheticAdapter ad = make_synthetic_adapter(tiny, kLoraRank, 78, layout);
     reg.load(0, ad.desc());
     const std::vector<uint16_t> x = random_bf16(s.H, 79);
     const std::vector<float> logits = random_f32(1, 80);

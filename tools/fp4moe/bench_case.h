@@ -1,9 +1,11 @@
-// One case of the bench: a shape's layer and inputs on the device, and one token count with or without LoRA,
-// captured in CUDA graphs, replayed and timed.
+// One case of the bench: a shape's layer and inputs on the device, and one token count without LoRA or in one of
+// the LoRA cases, captured in CUDA graphs, replayed and timed.
 #pragma once
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -20,12 +22,14 @@ struct CaseResult {
   std::string shape;
   int64_t T = 0;
   bool lora = false;
+  std::string lora_case = "base";  // lora_case_name of the LoRA case, "base" without LoRA
   std::string status = "ok";  // ok | unsupported | error
   std::string message;
   bool graph = true;
   int runs = 0;
   double median_us = 0, p10_us = 0, p90_us = 0, min_us = 0, mean_us = 0;
-  double local_slots = 0, touched_experts = 0, adapted_slots = 0, touched_pairs = 0;  // means over the input sets
+  // Means over the input sets.
+  double local_slots = 0, touched_experts = 0, adapted_slots = 0, touched_pairs = 0, adapted_tokens = 0, touched_adapters = 0;
   double weight_bytes = 0, lora_bytes = 0, io = 0, flops = 0;
   bench::Metrics m;
   std::string output_check;
@@ -55,6 +59,12 @@ struct Pools {
   int64_t set_shift_x = 0, set_shift_logits = 0;  // offset between input sets (elements)
 };
 
+// The adapters of one layout, in their own registry: the backend sizes its LoRA launches by the loaded slots.
+struct AdapterSet {
+  std::unique_ptr<AdapterRegistry> registry;  // nullptr: this layout's rows are not run
+  std::string status;                         // "" or why they are not
+};
+
 struct ShapeCtx {
   const ModelShape* shape = nullptr;
   int64_t E_loc = 0, E_total = 0;
@@ -62,22 +72,21 @@ struct ShapeCtx {
   MoeWeights w;
   DeviceBuffer alpha, beta, clamp, bias;
   std::vector<float> bias_host;
-  std::unique_ptr<AdapterRegistry> registry;  // nullptr: no LoRA rows
-  std::string lora_status;                    // "" or why there are no LoRA rows
-  DeviceBuffer adapter_ids;
+  AdapterSet peft_fused, shared_outer;
+  std::array<DeviceBuffer, kNumLoraCases> adapter_ids;  // by LoraCase, for the largest T
+  const AdapterSet& adapters(LoraCase lc) const { return lora_case_shared_outer(lc) ? shared_outer : peft_fused; }
 };
 
 // Host routing of one input set (the reference's routing: the same function the kernels compute).
 std::vector<int32_t> host_route(const ShapeCtx& c, int64_t T, const float* logits);
 
-// Times T tokens of c's shape, with LoRA or without; ws is the workspace the cases share (grown when one needs more).
-CaseResult run_case(Device& d, ShapeCtx& c, const Pools& pools, int64_t T, bool lora, const Options& o,
-                    DeviceBuffer& ws, const std::vector<bench::Touch>& touches);
+// Times T tokens of c's shape in LoRA case lora, or without LoRA (nullopt); touches: one per input set, counted with
+// the case's adapter ids; ws is the workspace the cases share (grown when one needs more).
+CaseResult run_case(Device& d, ShapeCtx& c, const Pools& pools, int64_t T, std::optional<LoraCase> lora,
+                    const Options& o, DeviceBuffer& ws, const std::vector<bench::Touch>& touches);
 
-// Every token adapted: adapter t % 8.
-std::vector<int32_t> adapter_ids_for(int64_t T);
-
-// Whether the backend runs registry LoRA for this shape: one token through a one-expert copy of the layer.
-std::string probe_lora(const ModelShape& s, WeightFormat format, int dev);
+// Whether the backend runs registry LoRA of this layout for this shape: one token through a one-expert copy of the
+// layer. "" when it does, else the error.
+std::string probe_lora(const ModelShape& s, WeightFormat format, int dev, LoraLayout layout);
 
 }  // namespace fp4moe::bench

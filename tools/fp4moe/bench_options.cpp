@@ -25,8 +25,12 @@ int usage() {
       "  --min-time S        keep repeating (up to --max-runs) until S seconds of op time are measured (default 0.05)\n"
       "  --sets N            input sets (x, logits) rotated between replays (default 3)\n"
       "  --format nvfp4|bf16 expert weight format (default nvfp4)\n"
-      "  --no-lora           skip the LoRA rows (eight rank-16 adapters, every token adapted)\n"
+      "  --no-lora           skip the LoRA rows\n"
       "  --lora-only         only the LoRA rows (for profiling the LoRA kernels)\n"
+      "  --lora-cases a,b    the LoRA rows to run (default: all), rank 16 each: per_expert8 (eight PEFT-fused\n"
+      "                      adapters, token t on t % 8), shared_outer8 (the same, shared-outer adapters),\n"
+      "                      one_adapter (one PEFT-fused adapter on every token), half_base (eight PEFT-fused\n"
+      "                      adapters on the even tokens, the odd tokens base)\n"
       "  --activation A      run every shape with activation A instead of its own: swiglu, situ (alpha 4, beta 25)\n"
       "                      or swiglubias (1.702, 1, clamp 7); the shape's name gets +A\n"
       "  --mode a16|a4       activation mode (default a16); a4: FC1/FC2 input scales 1/448 and 12/2688 (x is N(0,1)),\n"
@@ -43,7 +47,7 @@ int usage() {
 
 Options parse_options(int argc, char** argv) {
   Options o;
-  bool tokens_given = false, max_runs_given = false;
+  bool tokens_given = false, max_runs_given = false, lora_cases_given = false;
   std::string activation;
   auto need = [&](int& i) -> std::string {
     if (i + 1 >= argc) throw std::invalid_argument(std::string(argv[i]) + ": expected a value");
@@ -103,6 +107,13 @@ Options parse_options(int argc, char** argv) {
       o.lora = false;
     } else if (a == "--lora-only") {
       o.base = false;
+    } else if (a == "--lora-cases") {
+      try {
+        o.lora_cases = bench::parse_lora_cases(need(i));
+      } catch (const std::invalid_argument& e) {
+        throw std::invalid_argument("--lora-cases: " + std::string(e.what()));
+      }
+      lora_cases_given = true;
     } else if (a == "--activation") {
       activation = need(i);
       ModelShape probe{};
@@ -152,6 +163,7 @@ Options parse_options(int argc, char** argv) {
   }
   o.max_runs = std::max(o.max_runs, o.runs);
   if (!o.lora && !o.base) throw std::invalid_argument("--no-lora and --lora-only: nothing left to run");
+  if (!o.lora && lora_cases_given) throw std::invalid_argument("--no-lora and --lora-cases: choose one");
   return o;
 }
 

@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "bench.h"
 #include "fp4moe/model_shapes.h"
 #include "fp4moe/types.h"
 
@@ -21,6 +22,7 @@ struct Options {
   int64_t workspace_budget = 0;  // bytes, 0 = the library's default
   double min_time_s = 0.05;
   bool lora = true, base = true, quick = false;
+  std::vector<LoraCase> lora_cases{std::begin(kAllLoraCases), std::end(kAllLoraCases)};  // run when lora
   WeightFormat format = WeightFormat::NVFP4;
   std::string json_path;
   ActMode mode = ActMode::A16;

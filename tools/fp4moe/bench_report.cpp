@@ -48,14 +48,18 @@ std::string fmt(const char* f, double v) {
 
 std::string case_json(const CaseResult& r) {
   JObj o;
-  o.add("shape", json::quote(r.shape)).add("T", jint(r.T)).add("lora", jbool(r.lora)).add("status", json::quote(r.status));
+  o.add("shape", json::quote(r.shape)).add("T", jint(r.T)).add("lora", jbool(r.lora)).add("lora_case", json::quote(r.lora_case));
+  o.add("status", json::quote(r.status));
   if (!r.message.empty()) o.add("message", json::quote(r.message));
   if (r.status == "ok") {
     o.add("graph", jbool(r.graph)).add("runs", jint(r.runs));
     o.add("median_us", jnum(r.median_us)).add("p10_us", jnum(r.p10_us)).add("p90_us", jnum(r.p90_us));
     o.add("min_us", jnum(r.min_us)).add("mean_us", jnum(r.mean_us));
     o.add("local_slots", jnum(r.local_slots)).add("touched_experts", jnum(r.touched_experts));
-    if (r.lora) o.add("adapted_slots", jnum(r.adapted_slots)).add("touched_adapter_experts", jnum(r.touched_pairs));
+    if (r.lora) {
+      o.add("adapted_slots", jnum(r.adapted_slots)).add("touched_adapter_experts", jnum(r.touched_pairs));
+      o.add("adapted_tokens", jnum(r.adapted_tokens)).add("touched_adapters", jnum(r.touched_adapters));
+    }
     o.add("weight_bytes", jnum(r.weight_bytes)).add("lora_bytes", jnum(r.lora_bytes)).add("io_bytes", jnum(r.io));
     o.add("flops", jnum(r.flops));
     o.add("gbps", jnum(r.m.gbps)).add("ratio_copy", jnum(r.m.ratio_copy));
@@ -80,18 +84,19 @@ std::string utc_now() {
 
 std::string markdown_table(const std::vector<CaseResult>& rs) {
   std::string t =
-      "| shape | T | LoRA | median us | p10 | p90 | weights MB | GB/s | /copy | TFLOP/s | /gemm | floor us | x floor |"
-      " LoRA / base |\n"
-      "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+      "| shape | T | LoRA | median us | p10 | p90 | weights MB | LoRA MB | GB/s | /copy | TFLOP/s | /gemm | floor us |"
+      " x floor | / base |\n"
+      "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
   for (const auto& r : rs) {
-    t += "| " + r.shape + " | " + std::to_string(r.T) + " | " + (r.lora ? "8x r16" : "-") + " | ";
+    t += "| " + r.shape + " | " + std::to_string(r.T) + " | " + (r.lora ? r.lora_case : "-") + " | ";
     if (r.status != "ok") {
-      t += r.status + " | | | | | | | | | | |\n";
+      t += r.status + " | | | | | | | | | | | |\n";
       continue;
     }
     const double mb = (r.weight_bytes + r.lora_bytes) / 1e6, over = bench::lora_over_base(rs, r);
     t += fmt("%.1f", r.median_us) + " | " + fmt("%.1f", r.p10_us) + " | " + fmt("%.1f", r.p90_us) + " | " +
-         fmt("%.1f", mb) + " | " + fmt("%.0f", r.m.gbps) + " | " + fmt("%.2f", r.m.ratio_copy) + " | " +
+         fmt("%.1f", mb) + " | " + (r.lora ? fmt("%.1f", r.lora_bytes / 1e6) : std::string("-")) + " | " +
+         fmt("%.0f", r.m.gbps) + " | " + fmt("%.2f", r.m.ratio_copy) + " | " +
          fmt("%.1f", r.m.tflops) + " | " + fmt("%.2f", r.m.ratio_gemm) + " | " + fmt("%.1f", r.m.floor_us) + " | " +
          fmt("%.2f", r.m.time_over_floor) + " | " + (over > 0 ? fmt("%.3f", over) : std::string("-")) + " |\n";
   }
@@ -122,10 +127,18 @@ bool write_json(const Options& o, const Machine& m, const std::string& flush_met
   method.add("format", json::quote(o.format == WeightFormat::NVFP4 ? "nvfp4" : "bf16")).add("mode", json::quote(o.mode == ActMode::A4 ? "A4" : "A16"));
   method.add("gemm_tile", json::quote(to_string(static_cast<GemmTile>(o.gemm_tile))));
   method.add("workspace_budget", jint(o.workspace_budget > 0 ? o.workspace_budget : kDefaultWorkspaceBudget));
-  method.add("lora", json::quote("8 PEFT-fused adapters of rank 16, adapter_ids = t % 8"));
+  method.add("lora", json::quote("rank 16, by lora_case: per_expert8: 8 PEFT-fused adapters, adapter_ids = t % 8; "
+                                  "shared_outer8: 8 shared-outer adapters, t % 8; one_adapter: 1 PEFT-fused adapter, "
+                                  "id 0 on every token; half_base: 8 PEFT-fused adapters, (t / 2) % 8 on even t, "
+                                  "-1 (base) on odd t; each layout in a registry of its own"));
+  std::string cases_run;
+  if (o.lora)
+    for (LoraCase lc : o.lora_cases) cases_run += (cases_run.empty() ? "" : ", ") + json::quote(lora_case_name(lc));
+  method.add("lora_cases", "[" + cases_run + "]");
   method.add("weight_bytes", json::quote("per local expert routed to at least once: W1 + W2 (NVFP4: codes + e4m3 scales + fp32 "
-                                  "global scales; bf16: 2 bytes an element); LoRA rows add the touched (adapter, expert) "
-                                  "A and B matrices"));
+                                  "global scales; bf16: 2 bytes an element); LoRA rows add lora_bytes"));
+  method.add("lora_bytes", json::quote("bf16 adapter matrices touched: PEFT-fused, A1 B1 A2 B2 of every (adapter, expert) "
+                                "pair routed to; shared-outer, A1 and B2 once per adapter used and B1 A2 of every pair"));
   method.add("floor", json::quote("max((weight + io bytes) / copy ceiling, flops / gemm ceiling)"));
   JObj ceilings;
   ceilings.add("copy_gbps", jnum(ceil.copy_gbps)).add("copy_bytes", jint(ceil.copy_bytes));
