@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Plots of `fp4moe bench` results: per model shape, time against T (log-log) for fp4moe, fp4moe + LoRA, the torch
-bf16 baseline (and its LoRA variant) when given, and the floor: max(bytes / copy ceiling, FLOPs / GEMM ceiling) of the
-fp4moe case (NVFP4 weight bytes), with the memory-only floor dotted.
+"""Plots of `fp4moe bench` results: per model shape, time against T (log-log) for fp4moe, fp4moe in each LoRA case,
+the torch bf16 baseline (and its LoRA variant) when given, and the floor: max(bytes / copy ceiling, FLOPs / GEMM
+ceiling) of the fp4moe case without LoRA (NVFP4 weight bytes), with the memory-only floor dotted.
 
   python3 bench/plot.py fp4moe.json [--torch torch.json] [--out DIR]
 
@@ -15,35 +15,46 @@ import sys
 
 import matplotlib
 
+from bench_cases import lora_case
+
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+# fp4moe's LoRA cases: marker style, colour, legend label.
+LORA_STYLES = {
+    "per_expert8": ("s-", "tab:green", "fp4moe + 8 LoRA r16 (per expert)"),
+    "shared_outer8": ("D-", "tab:olive", "fp4moe + 8 LoRA r16 (shared outer)"),
+    "one_adapter": ("P-", "tab:cyan", "fp4moe + 1 LoRA r16"),
+    "half_base": ("X-", "tab:purple", "fp4moe + 8 LoRA r16 on half the tokens"),
+}
 
-def series(cases, shape, lora, key="median_us"):
+
+def series(cases, shape, case, key="median_us"):
     pts = sorted((c["T"], c[key]) for c in cases
-                 if c["shape"] == shape and c["lora"] == lora and c.get("status") == "ok" and c.get(key))
+                 if c["shape"] == shape and lora_case(c) == case and c.get("status") == "ok" and c.get(key))
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
 def draw(ax, shape, fp, tb):
     fc = fp["cases"]
-    x, y = series(fc, shape, False)
+    x, y = series(fc, shape, "base")
     if x:
         ax.plot(x, y, "o-", color="tab:blue", label="fp4moe (NVFP4)")
-    x, y = series(fc, shape, True)
-    if x:
-        ax.plot(x, y, "s-", color="tab:green", label="fp4moe + 8 LoRA r16")
+    for case, (style, color, label) in LORA_STYLES.items():
+        x, y = series(fc, shape, case)
+        if x:
+            ax.plot(x, y, style, color=color, label=label)
     if tb:
-        x, y = series(tb["cases"], shape, False)
+        x, y = series(tb["cases"], shape, "base")
         if x:
             ax.plot(x, y, "^-", color="tab:red", label="torch._grouped_mm bf16")
-        x, y = series(tb["cases"], shape, True)
+        x, y = series(tb["cases"], shape, "per_expert8")
         if x:
             ax.plot(x, y, "v--", color="tab:orange", label="torch bf16 + LoRA")
-    x, y = series(fc, shape, False, "floor_us")
+    x, y = series(fc, shape, "base", "floor_us")
     if x:
         ax.plot(x, y, "-", color="black", linewidth=2, label="floor (fp4moe bytes / copy, FLOPs / GEMM)")
-    x, y = series(fc, shape, False, "floor_mem_us")
+    x, y = series(fc, shape, "base", "floor_mem_us")
     if x:
         ax.plot(x, y, ":", color="gray", label="memory floor (NVFP4 bytes / copy)")
     ax.set_xscale("log", base=2)

@@ -29,6 +29,8 @@ import time
 
 import torch
 
+from bench_cases import lora_case
+
 # ---- model shapes (SPEC §1): read from include/fp4moe/model_shapes.h, the one home of the table ----------------
 _FALLBACK_SHAPES = [
     # name, H, I, E, k, routing, n_group, topk_group, rsf, activation, alpha, beta, clamp, E_loc
@@ -496,12 +498,12 @@ def run(args):
 
 
 def ratios(fp, tb):
-    """torch time / fp4moe time for every (shape, T, lora) both ran."""
-    idx = {(c["shape"], c["T"], c["lora"]): c for c in tb["cases"] if c.get("status") == "ok"}
+    """torch time / fp4moe time for every (shape, T, LoRA case) both ran (the baseline's LoRA is per_expert8's)."""
+    idx = {(c["shape"], c["T"], lora_case(c)): c for c in tb["cases"] if c.get("status") == "ok"}
     out = []
     for c in fp["cases"]:
-        key = (c["shape"], c["T"], c["lora"])
-        row = {"shape": c["shape"], "T": c["T"], "lora": c["lora"], "fp4moe_us": c.get("median_us"),
+        key = (c["shape"], c["T"], lora_case(c))
+        row = {"shape": c["shape"], "T": c["T"], "lora": c["lora"], "lora_case": key[2], "fp4moe_us": c.get("median_us"),
                "fp4moe_status": c.get("status"), "torch_us": idx[key]["median_us"] if key in idx else None}
         if c.get("status") == "ok" and key in idx:
             row["speedup"] = idx[key]["median_us"] / c["median_us"]
@@ -516,7 +518,7 @@ def ratio_table(rows, tb, fp):
         fpv = f"{r['fp4moe_us']:.1f}" if r["fp4moe_status"] == "ok" else r["fp4moe_status"]
         tv = f"{r['torch_us']:.1f}" if r["torch_us"] is not None else "-"
         sp = f"{r['speedup']:.2f}" if "speedup" in r else "-"
-        t += f"| {r['shape']} | {r['T']} | {'8x r16' if r['lora'] else '-'} | {fpv} | {tv} | {sp} |\n"
+        t += f"| {r['shape']} | {r['T']} | {r['lora_case'] if r['lora'] else '-'} | {fpv} | {tv} | {sp} |\n"
     t += (f"\nceilings: fp4moe run copy {fc.get('copy_gbps', 0):.0f} GB/s, GEMM {fc.get('gemm_tflops', 0):.0f} TFLOP/s; "
           f"torch run copy {tc['copy_gbps']:.0f} GB/s, GEMM {tc['gemm_tflops']:.0f} TFLOP/s\n")
     return t

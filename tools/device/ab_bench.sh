@@ -17,20 +17,22 @@ for s in ${SHAPES//,/ }; do
     echo "== $which $s rc=$?"
   done
 done
-python3 - "$LOGS" <<'PY'
+python3 - "$LOGS" "$(dirname "$0")/../../bench" <<'PY'
 import json, glob, os, sys
 d = sys.argv[1]
+sys.path.insert(0, sys.argv[2])
+from bench_cases import lora_case
 rows, ratios = [], []
 for f in sorted(glob.glob(os.path.join(d, "new-*.json"))):
     o = f.replace("new-", "old-")
     if not os.path.exists(o): continue
-    key = lambda c: (c["shape"], c["T"], c["lora"])
+    key = lambda c: (c["shape"], c["T"], lora_case(c))
     old = {key(c): c for c in json.load(open(o))["cases"] if c["status"] == "ok"}
     for c in json.load(open(f))["cases"]:
         if c["status"] != "ok" or key(c) not in old: continue
         r = c["median_us"] / old[key(c)]["median_us"]
         ratios.append(r)
-        rows.append(f"| {c['shape']} | {c['T']} | {'lora' if c['lora'] else 'base'} | "
+        rows.append(f"| {c['shape']} | {c['T']} | {key(c)[2]} | "
                     f"{old[key(c)]['median_us']:.1f} | {c['median_us']:.1f} | {r:.3f} |")
 print("| shape | T | rows | old us | new us | new / old |\n|---|---:|---|---:|---:|---:|")
 print("\n".join(rows))
