@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Per-kernel times of one eager call (kind nvidia-h200): ncu's gpu__time_duration and instruction count for
 # every kernel of the first moe_run of `fp4moe bench` on SHAPE at each T in TOKENS, with BENCH_FLAGS (default
-# --lora-only: the LoRA case; --no-lora for the base case). Writes ncu_<T>.txt (one line per kernel) under $LOGS.
+# --lora-only: the LoRA case; --no-lora for the base case) and NCU_FLAGS (e.g. --clock-control none). Writes ncu_<T>.txt (one line per kernel) under $LOGS.
 set -u
 TOKENS=${TOKENS:-64 1024}
 SHAPE=${SHAPE:-kimi_k3_tp8}
@@ -12,7 +12,7 @@ BUDGET=${BUDGET:-300}
 export PATH=/usr/local/cuda/bin:$PATH
 header "$SHAPE $BENCH_FLAGS"
 for T in $TOKENS; do
-  step ncu_$T 120 ncu --print-kernel-base function --metrics gpu__time_duration.sum,smsp__inst_executed.sum \
+  step ncu_$T 120 ncu ${NCU_FLAGS:-} --print-kernel-base function --metrics gpu__time_duration.sum,smsp__inst_executed.sum \
     --launch-count "$COUNT" -k "regex:routing|permute|count_kernel|scan_kernel|place_kernel|gemm_kernel|combine_kernel|lora|order|quantize" \
     "$BIN/fp4moe" bench --shapes "$SHAPE" --tokens "$T" $BENCH_FLAGS --sets 1 --runs 1 --max-runs 1 --min-time 0
   say "-- T=$T"
