@@ -221,8 +221,13 @@ void quantize_fc2_input(const Call& c, uint16_t* a, int64_t width, int rows, con
 }
 
 // 1. Routing: top-k ids and weights of the chunk's tokens (from logits, or the caller's).
-RoutingParams routing_params(const Call& c, const Chunk& ch) {
+void route(const Call& c, Chunk& ch) {
   const RoutingArgs& ra = c.args.routing;
+  if (!c.s.routing_from_logits) {
+    ch.ids = static_cast<const int32_t*>(ra.topk_ids.data) + ch.t0 * c.s.k;
+    ch.wts = static_cast<const float*>(ra.topk_weights.data) + ch.t0 * c.s.k;
+    return;
+  }
   RoutingParams rp;
   const size_t lsz = ra.logits.dtype == DType::BF16 ? 2 : 4;
   rp.logits = static_cast<const uint8_t*>(ra.logits.data) + ch.t0 * c.s.E_total * lsz;
@@ -238,19 +243,7 @@ RoutingParams routing_params(const Call& c, const Chunk& ch) {
   rp.ids = c.b.ids;
   rp.weights = c.b.wts;
   rp.error_flag = c.err;
-  return rp;
-}
-
-// With plan.route_permute_fused the routing kernel is left to permute() (one launch for both).
-void route(const Call& c, Chunk& ch) {
-  const RoutingArgs& ra = c.args.routing;
-  if (!c.s.routing_from_logits) {
-    ch.ids = static_cast<const int32_t*>(ra.topk_ids.data) + ch.t0 * c.s.k;
-    ch.wts = static_cast<const float*>(ra.topk_weights.data) + ch.t0 * c.s.k;
-    return;
-  }
-  if (!c.plan.route_permute_fused)
-    launch_routing(routing_params(c, ch), c.plan.routing_warps_per_block, c.plan.routing_smem, c.stream);
+  launch_routing(rp, c.plan.routing_warps_per_block, c.plan.routing_smem, c.stream);
   ch.ids = c.b.ids;
   ch.wts = c.b.wts;
 }
@@ -300,9 +293,8 @@ void lora_shrink_x(const Call& c, const Chunk& ch) {
   launch_lora_shrink1(lp, c.plan.lora_shrink1_threads, c.stream);
 }
 
-// 3. Permutation: rows in (expert, token, slot) order, the tile list. With plan.route_permute_fused the same kernel
-// routes the chunk first.
-PermuteParams permute_params(const Call& c, const Chunk& ch) {
+// 3. Permutation: rows in (expert, token, slot) order, the tile list; with LoRA, rows ordered by adapter.
+void permute(const Call& c, const Chunk& ch) {
   PermuteParams pp;
   pp.ids = ch.ids;
   pp.rows = ch.rows;
@@ -320,23 +312,12 @@ PermuteParams permute_params(const Call& c, const Chunk& ch) {
   pp.error_flag = c.err;
   pp.zero_counters = c.b.split_counters;
   pp.num_counters = static_cast<int>(c.plan.split_counters.bytes / 4);
-  pp.token_slot = c.b.lora_slot;
-  pp.k = c.k();
-  return pp;
-}
-
-void permute(const Call& c, const Chunk& ch) {
-  if (c.plan.route_permute_fused)
-    launch_route_permute(routing_params(c, ch), permute_params(c, ch), c.plan.route_permute_threads,
-                         c.plan.route_permute_smem, c.stream);
-  else
-    launch_permute(permute_params(c, ch), c.stream);
-}
-
-// 3b. LoRA: each expert's rows ordered by adapter (after lora_shrink_x has checked each token's slot).
-void order_by_adapter(const Call& c, const Chunk& ch) {
-  if (ch.rows > c.w.E)  // more rows than experts: tiles with several tokens, worth grouping by adapter
-    launch_order_by_adapter(permute_params(c, ch), c.stream);
+  launch_permute(pp, c.stream);
+  if (c.lora && ch.rows > c.w.E) {  // more rows than experts: tiles with several tokens, worth grouping by adapter
+    pp.token_slot = c.b.lora_slot;
+    pp.k = c.k();
+    launch_order_by_adapter(pp, c.stream);
+  }
 }
 
 // A routed LoRA shrink over GEMM1's row tiles (plan.lora_shrink_tiled): in = x (gathered by token) or a.
@@ -501,11 +482,8 @@ void run_chunk(const Call& c, int64_t chunk) {
   ch.rows = static_cast<int>(ch.tc * c.s.k);
   route(c, ch);
   quantize_x(c, ch);
-  // The shrink of x reads the routed ids: after the permutation where that kernel routes.
-  if (c.plan.route_permute_fused) permute(c, ch);
   if (c.lora) lora_shrink_x(c, ch);
-  if (!c.plan.route_permute_fused) permute(c, ch);
-  if (c.lora) order_by_adapter(c, ch);
+  permute(c, ch);
   if (c.lora && c.plan.lora_shrink_tiled)
     lora_shrink_tiled(c, x_of(c, ch), true, c.s.H, kLoraGateUp, c.b.lora_t1, c.plan.lora_r1_stride);
   const GemmProblem g1 = gemm1(c, ch);

@@ -285,9 +285,6 @@ struct CombineParams {
 // ---- launchers (all on `stream`, each checked) ---------------------------------------------------
 void launch_routing(const RoutingParams& p, int warps_per_block, size_t smem, cudaStream_t stream);
 void launch_permute(const PermuteParams& p, cudaStream_t stream);
-// Routing and permutation in one block (plan.route_permute_fused): rp.T warps route, then the block permutes pp.
-void launch_route_permute(const RoutingParams& rp, const PermuteParams& pp, int threads, size_t smem,
-                          cudaStream_t stream);
 // After launch_permute, with LoRA: each expert's rows sorted by (adapter slot, entry) (permute.cu).
 void launch_order_by_adapter(const PermuteParams& p, cudaStream_t stream);
 // Device dev's compute capability, major * 10 + minor (cached per device; backend.cu).

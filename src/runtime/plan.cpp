@@ -107,14 +107,6 @@ MoePlan make_plan(const ProblemShape& shape) {
                        : static_cast<int>(std::max<int64_t>(256, round_up(ceil_div(p.rows, 1024), 32)));
   p.perm_blocks = ceil_div(p.rows, p.perm_entries);
   p.perm_smem = static_cast<size_t>(s.E_loc * 4);
-  const size_t fused_smem = static_cast<size_t>(routing_floats * 4 * p.chunk_tokens);
-  p.route_permute_fused = s.routing_from_logits && p.perm_blocks == 1 && p.chunk_tokens <= kRoutePermuteMaxTokens &&
-                          fused_smem <= kRoutePermuteMaxSmem;
-  if (p.route_permute_fused) {
-    p.route_permute_threads =
-        p.rows <= 256 && s.E_loc <= 1024 ? static_cast<int>(std::max<int64_t>(256, 32 * p.chunk_tokens)) : 1024;
-    p.route_permute_smem = fused_smem;
-  }
 
   // GEMM tile: by the expected rows per expert. Any choice gives the same bits (every tile follows the same K
   // order), so it may depend on T without breaking batch invariance. Measurements behind each threshold:

@@ -85,11 +85,6 @@ struct MoePlan {
   int perm_entries = 0;
   int64_t perm_blocks = 0;      // for a full chunk
   size_t perm_smem = 0;         // E_loc ints per block
-  // Routing and permutation as one kernel of one block (src/cuda/route_permute.cu) where a chunk routed from
-  // logits has a warp a token and its entries fit one block: one dependent launch less at decode.
-  bool route_permute_fused = false;
-  int route_permute_threads = 0;
-  size_t route_permute_smem = 0;  // the routing warps' shared memory (dynamic)
 
   // Grouped GEMMs.
   int gemm_config = 0;          // index into kGemmConfigs
@@ -181,9 +176,6 @@ constexpr int64_t split_target_blocks(const DeviceDesc& d) { return int64_t(4) *
 // in-order placement; src/cuda/permute.cu), larger ones by three kernels over many blocks. (The placement is one
 // warp's serial walk: at 1024 entries 32 steps.)
 constexpr int64_t kOneBlockPermEntries = 1024;
-// The most tokens (a warp each) and routing shared memory of the one-block routing + permutation.
-constexpr int64_t kRoutePermuteMaxTokens = 32;
-constexpr size_t kRoutePermuteMaxSmem = 160 * 1024;
 
 constexpr int kNumGemmConfigs = 4;
 inline constexpr GemmConfig kGemmConfigs[kNumGemmConfigs] = {

@@ -53,24 +53,6 @@ void check_plan(const ProblemShape& s, std::mt19937_64& rng) {
   }
   const int64_t T = s.T, k = s.k, H = s.H, I = s.I, E = s.E_loc;
 
-  // The one-block routing + permutation: only for chunks routed from logits, a warp a token, every entry in the
-  // one block, within its shared-memory limit; and taken wherever a decode chunk (<= 8 tokens, <= 1024 experts)
-  // can.
-  const int64_t E_all = s.E_total == 0 ? E : s.E_total;
-  if (p.route_permute_fused) {
-    EXPECT_TRUE(s.routing_from_logits);
-    EXPECT_EQ(p.perm_blocks, 1);
-    EXPECT_LE(p.chunk_tokens, kRoutePermuteMaxTokens);
-    EXPECT_LE(32 * p.chunk_tokens, p.route_permute_threads);
-    EXPECT_LE(p.route_permute_threads, 1024);
-    EXPECT_EQ(p.route_permute_threads % 32, 0);
-    EXPECT_EQ(p.route_permute_smem, static_cast<size_t>(routing_floats_per_warp(static_cast<int>(E_all)) * 4 *
-                                                        p.chunk_tokens));
-    EXPECT_LE(p.route_permute_smem, kRoutePermuteMaxSmem);
-  } else if (s.T > 0 && s.routing_from_logits && p.chunk_tokens <= 8 && p.rows <= kOneBlockPermEntries && E_all <= 1024) {
-    ADD_FAILURE() << "a decode chunk routed from logits runs routing and permutation apart";
-  }
-
   // Chunks cover all tokens, none is empty, and T = 0 launches nothing.
   if (T == 0) {
     EXPECT_EQ(p.num_chunks, 0);

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Per-kernel times of one eager call (kind nvidia-h200): ncu's gpu__time_duration and instruction count for
 # every kernel of the first moe_run of `fp4moe bench` on SHAPE at each T in TOKENS, with BENCH_FLAGS (default
-# --lora-only: the LoRA case; --no-lora for the base case) and NCU_FLAGS (e.g. --clock-control none). Writes ncu_<T>.txt (one line per kernel) under $LOGS.
+# --lora-only --lora-cases per_expert8: the eight per-expert adapters; --no-lora for the base case) and NCU_FLAGS (e.g. --clock-control none). Writes ncu_<T>.txt (one line per kernel) under $LOGS.
 set -u
 TOKENS=${TOKENS:-64 1024}
 SHAPE=${SHAPE:-kimi_k3_tp8}
-BENCH_FLAGS=${BENCH_FLAGS:---lora-only}
+BENCH_FLAGS=${BENCH_FLAGS:---lora-only --lora-cases per_expert8}
 COUNT=${COUNT:-14}
 BUDGET=${BUDGET:-300}
 . "$(dirname "$0")/lib.sh"
