@@ -11,6 +11,9 @@ namespace fp4moe {
 using detail::invalid;
 namespace {
 
+// A layer of at most this many experts (E_total) skips the 32-row mma.sync tile (make_plan's tile choice).
+constexpr int64_t kFewExperts = 16;
+
 [[noreturn]] void unsupported(const char* arg, const std::string& what) { throw Error(ErrorCode::Unsupported, arg, what); }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -115,8 +118,13 @@ MoePlan make_plan(const ProblemShape& shape) {
   // sm_90a: the wgmma tile from 32 expected rows a local expert (rows / E_total under EP); with LoRA on thin
   // experts (I <= 768) from 80, below which its per-adapter epilogue passes cost more than its wider MMA saves.
   const bool lora_thin = s.has_lora && s.I <= 768 && p.rows < 80 * s.E_total;
+  // Layers of few experts (mixtral_8x7b: 8, I = 14336): the 32-row mma.sync tile ran slower than the 8-row tile
+  // up to 8 rows an expert and than the wgmma tile above, so it is skipped there.
+  const bool few_experts = s.E_total <= kFewExperts;
   auto choose = [&](bool wgmma) {
     if (wgmma && p.rows >= 32 * s.E_total && !lora_thin) return 3;
+    if (few_experts && p.rows <= 8 * s.E_total) return 0;
+    if (few_experts && wgmma) return 3;
     return avg_rows <= 6 ? 0 : (avg_rows <= 512 ? 1 : 2);
   };
   p.gemm_config = s.gemm_config >= 0 ? s.gemm_config : choose(s.device.wgmma);
