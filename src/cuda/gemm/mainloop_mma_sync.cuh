@@ -111,31 +111,44 @@ template <class Cfg> struct WeightsAsAMmaSync {
     wo = WarpWeightOffsets<Cfg>::make();
   }
 
-  // part += the products of k-blocks [kb_begin, kb_end) (one chunk's chain), the stages from pipe.
+  // part += the products of k-blocks [kb_begin, kb_end) (one chunk's chain, in k order), the stages from pipe,
+  // Pipe::kPer k-blocks a unit.
   template <class Pipe>
   __device__ __forceinline__ void chunk(float (&part)[ACCS][4], const uint8_t* smem, Pipe& pipe, int kb_begin,
                                         int kb_end, int groups) {
-    for (int kb = kb_begin; kb < kb_end; ++kb) {
-      const uint32_t sstage = pipe.next();
-      const uint8_t* st = smem + (sstage - pipe.sbase());
-      uint32_t wa[RG][4][4];
+    static_assert(kChunkBlocks % Pipe::kPer == 0, "a unit never spans two chunks (only a range's last one is short)");
+    for (int kb = kb_begin; kb < kb_end; kb += Pipe::kPer) {
+      const bool both = kb + 1 < kb_end;
+      const uint32_t sunit = pipe.next(both);
 #pragma unroll
-      for (int r = 0; r < RG; ++r)
-        weight_fragments<Cfg>(st + wo.w_off + r * 16 * Cfg::B_ROW_BYTES, st + wo.sf_off + r * 64, wa[r]);
+      for (int u = 0; u < Pipe::kPer; ++u) {
+        if (u > 0 && !both) break;
+        k_block(part, smem, pipe.sbase(), sunit + u * Cfg::STAGE_BYTES, groups);
+      }
+    }
+  }
+
+  // part += one k-block's products from the stage at shared address sstage.
+  __device__ __forceinline__ void k_block(float (&part)[ACCS][4], const uint8_t* smem, uint32_t sbase, uint32_t sstage,
+                                          int groups) {
+    const uint8_t* st = smem + (sstage - sbase);
+    uint32_t wa[RG][4][4];
 #pragma unroll
-      for (int i = 0; i < GROUPS; ++i) {
-        if (i >= groups) break;
-        // Tokens i*8 .. i*8+7 as B fragments, two k16 steps per ldmatrix.x4 (matrix j = k chunk 4h + j), shared
-        // by the row groups.
+    for (int r = 0; r < RG; ++r)
+      weight_fragments<Cfg>(st + wo.w_off + r * 16 * Cfg::B_ROW_BYTES, st + wo.sf_off + r * 64, wa[r]);
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          uint32_t b[4];
-          dev::ldmatrix_x4(b, sstage + tok_off[i][h]);
+    for (int i = 0; i < GROUPS; ++i) {
+      if (i >= groups) break;
+      // Tokens i*8 .. i*8+7 as B fragments, two k16 steps per ldmatrix.x4 (matrix j = k chunk 4h + j), shared
+      // by the row groups.
 #pragma unroll
-          for (int r = 0; r < RG; ++r) {
-            dev::mma_bf16_16816(part[i * RG + r], wa[r][2 * h], b);
-            dev::mma_bf16_16816(part[i * RG + r], wa[r][2 * h + 1], b + 2);
-          }
+      for (int h = 0; h < 2; ++h) {
+        uint32_t b[4];
+        dev::ldmatrix_x4(b, sstage + tok_off[i][h]);
+#pragma unroll
+        for (int r = 0; r < RG; ++r) {
+          dev::mma_bf16_16816(part[i * RG + r], wa[r][2 * h], b);
+          dev::mma_bf16_16816(part[i * RG + r], wa[r][2 * h + 1], b + 2);
         }
       }
     }

@@ -130,16 +130,20 @@ template <class C> struct TileLoader {
 
 // The STAGES-deep pipeline of a block tile whose threads all load and all compute: stage s is bytes
 // [s * STAGE_BYTES, +STAGE_BYTES) of the dynamic shared memory, its weights complete on barrier s (phase n: its n-th
-// load). next() waits for the k-block after the last one returned and issues the copies kAhead k-blocks ahead,
-// into the stage of k-block j + kAhead - STAGES: STAGES - 1 ahead (the stage every thread finished reading before
-// this k-block's __syncthreads), or STAGES - 2 ahead for wgmma tiles, whose wgmmas may still read the previous
-// k-block's stage (they are waited for one k-block later, before the __syncthreads that frees it).
+// load). The k-blocks go by in units of kPer: next() waits for the unit after the last one returned (one
+// cp.async group, one __syncthreads) and issues the copies kAhead k-blocks ahead, into the stages every thread
+// finished reading before this unit's __syncthreads: STAGES - kPer ahead, or STAGES - 2 for wgmma tiles, whose
+// wgmmas may still read the previous k-block's stage (they are waited for one k-block later, before the
+// __syncthreads that frees it). The mma.sync weights-as-A tiles take two k-blocks a unit: the decode loop's time
+// is its instructions a weight byte, and the wait and barrier of a k-block were a large share of them.
 template <class C> struct StagePipe {
-  static constexpr int kAhead = C::STAGES - 1 - (C::WGMMA ? 1 : 0);  // k-blocks loaded ahead of the one read
-  static_assert(kAhead >= 1, "stages");
+  static constexpr int kPer = C::WEIGHTS_AS_A && !C::WGMMA && C::STAGES % 2 == 0 ? 2 : 1;  // k-blocks a unit
+  static constexpr int kAhead = C::STAGES - kPer - (C::WGMMA ? 1 : 0);  // k-blocks loaded ahead of the unit read
+  static constexpr int kGroupsAhead = kAhead / kPer;                     // cp.async groups (one a unit)
+  static_assert(kAhead >= 1 && kAhead % kPer == 0 && C::STAGES % kPer == 0, "stages");
   uint32_t sbase, bar0;
-  int rd = 0, left;  // stage to read next (the stage to load next is kAhead after it), k-blocks still to load
-  uint32_t ph = 0;   // parity of the phase of stage rd to wait for
+  int rd = 0, left;  // first stage of the unit to read next, k-blocks still to load
+  uint32_t ph = 0;   // parity of the phase of stage rd (and of the unit's other stage) to wait for
 
   __device__ __forceinline__ StagePipe(uint8_t* smem, TileLoader<C>& ld, int nkb) {
     __shared__ __align__(8) uint64_t bars[C::STAGES];
@@ -151,32 +155,45 @@ template <class C> struct StagePipe {
       __syncthreads();
     }
 #pragma unroll
-    for (int s = 0; s < kAhead; ++s) {
-      if (s < nkb) ld.load_next(sbase + s * C::STAGE_BYTES, bar0 + 8 * s);
+    for (int u = 0; u < kGroupsAhead; ++u) {
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) {
+        const int s = u * kPer + i;
+        if (s < nkb) ld.load_next(sbase + s * C::STAGE_BYTES, bar0 + 8 * s);
+      }
       dev::cp_async_commit();
     }
     left = nkb - kAhead;
   }
-  // The shared-space address of the next k-block's stage, its copies landed and visible to every thread.
-  __device__ __forceinline__ uint32_t next(TileLoader<C>& ld) {
-    dev::cp_async_wait<kAhead - 1>();
+  // The shared-space address of the next unit's first stage (its others follow it), the copies landed and visible to
+  // every thread. both: the unit's second k-block exists (kPer = 2; a range's last unit may hold one).
+  __device__ __forceinline__ uint32_t next(TileLoader<C>& ld, bool both = true) {
+    dev::cp_async_wait<kGroupsAhead - 1>();
     // The tokens (cp.async) are read by wgmma (the async proxy): the PTX memory model asks for this fence.
     if constexpr (C::WGMMA) dev::fence_proxy_async();
     __syncthreads();
     const uint32_t sstage = sbase + rd * C::STAGE_BYTES;
     ld.wait_weights(bar0 + 8 * rd, ph);
-    const int wr = rd + kAhead < C::STAGES ? rd + kAhead : rd + kAhead - C::STAGES;
-    if (left > 0) ld.load_next(sbase + wr * C::STAGE_BYTES, bar0 + 8 * wr);
+    if constexpr (kPer == 2) {
+      if (both) ld.wait_weights(bar0 + 8 * (rd + 1), ph);
+    } else {
+      (void)both;
+    }
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int w = rd + kAhead + i, wr = w < C::STAGES ? w : w - C::STAGES;
+      if (left > 0) ld.load_next(sbase + wr * C::STAGE_BYTES, bar0 + 8 * wr);
+      --left;
+    }
     dev::cp_async_commit();
-    --left;
-    ph ^= rd == C::STAGES - 1 ? 1u : 0u;
-    rd = rd == C::STAGES - 1 ? 0 : rd + 1;
+    ph ^= rd + kPer == C::STAGES ? 1u : 0u;
+    rd = rd + kPer == C::STAGES ? 0 : rd + kPer;
     return sstage;
   }
 };
 
 // The copies of a weights-as-A tile: every thread loads its share (TileLoader + StagePipe); next() returns the next
-// k-block's stage, and the release calls are no-ops (__syncthreads frees the stages).
+// unit's first stage (kPer k-blocks), and the release calls are no-ops (__syncthreads frees the stages).
 template <class C> struct TilePipeline {
   TileLoader<C> ld;
   StagePipe<C> pipe;
@@ -185,7 +202,8 @@ template <class C> struct TilePipeline {
                                           int nkb)
       : ld(g, tr, n0, kb0), pipe(smem, ld, nkb) {}
   __device__ __forceinline__ uint32_t sbase() const { return pipe.sbase; }
-  __device__ __forceinline__ uint32_t next() { return pipe.next(ld); }
+  static constexpr int kPer = StagePipe<C>::kPer;
+  __device__ __forceinline__ uint32_t next(bool both = true) { return pipe.next(ld, both); }
   __device__ __forceinline__ void release_older() {}
   __device__ __forceinline__ void release_all() {}
   __device__ __forceinline__ void finish() { dev::cp_async_wait<0>(); }
