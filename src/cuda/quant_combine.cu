@@ -79,34 +79,41 @@ __global__ void quantize_rows_kernel(QuantizeParams p) {
 // as the reference), rounded once to bf16, or written as the fp32 sum (y_f32: float32 y, no rounding, as the
 // reference's float32 y). One thread per 4 outputs of a token.
 // 0 when local expert e's device-given activation parameters are in range, else the flag code of the first bad one.
+// The three values are loaded before any is tested: a test between them made each load wait for the one before.
 __device__ __forceinline__ int bad_act_param(const CombineParams& p, int e) {
-  if (p.act_alpha) {
-    const float v = p.act_alpha[e];
-    if (!isfinite(v) || (p.act_positive && !(v > 0.f))) return kErrActAlpha;
-  }
-  if (p.act_beta) {
-    const float v = p.act_beta[e];
-    if (!isfinite(v) || (p.act_positive && !(v > 0.f))) return kErrActBeta;
-  }
-  if (p.act_clamp_limit && !(p.act_clamp_limit[e] > 0.f)) return kErrActClampLimit;  // +inf = no clamp
+  const float a = p.act_alpha ? p.act_alpha[e] : 1.f;
+  const float b = p.act_beta ? p.act_beta[e] : 1.f;
+  const float c = p.act_clamp_limit ? p.act_clamp_limit[e] : 1.f;
+  if (!isfinite(a) || (p.act_positive && !(a > 0.f))) return kErrActAlpha;
+  if (!isfinite(b) || (p.act_positive && !(b > 0.f))) return kErrActBeta;
+  if (!(c > 0.f)) return kErrActClampLimit;  // +inf = no clamp
   return 0;
 }
 
-__global__ void combine_kernel(CombineParams p) {
-  dev::pdl_wait();
-  dev::pdl_launch_dependents();
-  const bool act_on_device = p.act_alpha || p.act_beta || p.act_clamp_limit;
-  if (act_on_device && blockIdx.x == 0) {  // every expert's parameters, used by a token or not
-    for (int e = threadIdx.x; e < p.E_loc; e += blockDim.x) {
-      const int code = bad_act_param(p, e);
-      if (code) atomicExch(p.error_flag, code);
-    }
+// Block 0: every expert's parameters, used by a token or not (flag 6/7/8). After the block's outputs: a decode
+// token's combine is a few blocks, and this walk over all experts delayed the kernel's end.
+__device__ __forceinline__ void check_every_expert(const CombineParams& p) {
+  if (blockIdx.x != 0) return;
+  int code = 0;
+#pragma unroll 4
+  for (int e = threadIdx.x; e < p.E_loc; e += blockDim.x) {
+    const int c = bad_act_param(p, e);
+    code = code ? code : c;
   }
-  // The local expert of an entry, -1 when it contributes nothing (another rank's, a dropped bad id, bad parameters).
-  auto local = [&](int64_t entry) {
+  if (code) atomicExch(p.error_flag, code);
+}
+
+// One block's outputs: 4 a thread of token t = blockIdx.x / blocks_per_token.
+__device__ __forceinline__ void combine_token(const CombineParams& p, bool act_on_device) {
+  // The local expert of an entry, -1 when it is another rank's or a dropped bad id; local() also -1 when its
+  // parameters are bad: such an entry contributes nothing.
+  auto in_range = [&](int64_t entry) {
     const int e = p.ids[entry] - p.local_offset;
-    if (e < 0 || e >= p.E_loc) return -1;
-    return act_on_device && bad_act_param(p, e) ? -1 : e;
+    return e >= 0 && e < p.E_loc ? e : -1;
+  };
+  auto local = [&](int64_t entry) {
+    const int e = in_range(entry);
+    return e >= 0 && act_on_device && bad_act_param(p, e) ? -1 : e;
   };
   const int64_t gid = static_cast<int64_t>(blockIdx.x);
   const int t = static_cast<int>(gid / p.blocks_per_token);
@@ -140,8 +147,8 @@ __global__ void combine_kernel(CombineParams p) {
     __syncthreads();
   }
   if (h >= p.H) return;
-  // Slots in batches of 8: ids, weights and the o rows of a batch are loaded before any is used (a decode
-  // token's combine is a chain of dependent loads otherwise); the sum still runs in slot order.
+  // Slots in batches of 8: ids, weights, the o rows and the experts' parameters of a batch are loaded before any is
+  // used (a decode token's combine is a chain of dependent loads otherwise); the sum still runs in slot order.
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   constexpr int kBatch = 8;
   for (int j0 = 0; j0 < p.k; j0 += kBatch) {
@@ -151,13 +158,18 @@ __global__ void combine_kernel(CombineParams p) {
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
       const int64_t entry = static_cast<int64_t>(t) * p.k + j0 + b;
-      e[b] = j0 + b < p.k ? local(entry) : -1;
+      e[b] = j0 + b < p.k ? in_range(entry) : -1;
       w[b] = j0 + b < p.k ? p.weights[entry] : 0.f;
     }
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
       const int64_t entry = static_cast<int64_t>(t) * p.k + j0 + b;
       if (e[b] >= 0) o[b] = *reinterpret_cast<const float4*>(p.out + entry * p.H + h);
+    }
+    if (act_on_device) {
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b)
+        if (e[b] >= 0 && bad_act_param(p, e[b])) e[b] = -1;
     }
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
@@ -192,6 +204,14 @@ __global__ void combine_kernel(CombineParams p) {
   uint16_t* y = p.y + static_cast<int64_t>(t) * p.H + h;
 #pragma unroll
   for (int i = 0; i < 4; ++i) y[i] = dev::f32_to_bf16(__fadd_rn(acc[i], dy[i]));
+}
+
+__global__ void combine_kernel(CombineParams p) {
+  dev::pdl_wait();
+  dev::pdl_launch_dependents();
+  const bool act_on_device = p.act_alpha || p.act_beta || p.act_clamp_limit;
+  combine_token(p, act_on_device);
+  if (act_on_device) check_every_expert(p);
 }
 
 }  // namespace
