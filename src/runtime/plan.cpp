@@ -11,9 +11,6 @@ namespace fp4moe {
 using detail::invalid;
 namespace {
 
-// A layer of at most this many experts (E_total) skips the 32-row mma.sync tile (make_plan's tile choice).
-constexpr int64_t kFewExperts = 16;
-
 [[noreturn]] void unsupported(const char* arg, const std::string& what) { throw Error(ErrorCode::Unsupported, arg, what); }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }

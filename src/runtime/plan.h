@@ -176,6 +176,8 @@ constexpr int64_t split_target_blocks(const DeviceDesc& d) { return int64_t(4) *
 // in-order placement; src/cuda/permute.cu), larger ones by three kernels over many blocks. (The placement is one
 // warp's serial walk: at 1024 entries 32 steps.)
 constexpr int64_t kOneBlockPermEntries = 1024;
+// A layer of at most this many experts (E_total) skips the 32-row mma.sync tile (make_plan's tile choice).
+constexpr int64_t kFewExperts = 16;
 
 constexpr int kNumGemmConfigs = 4;
 inline constexpr GemmConfig kGemmConfigs[kNumGemmConfigs] = {

@@ -40,10 +40,11 @@ void check_plan(const ProblemShape& s, std::mt19937_64& rng) {
     EXPECT_EQ(pw.workspace_bytes, p.workspace_bytes);
     const int64_t E_total = s.E_total == 0 ? s.E_loc : s.E_total;
     const bool lora_thin = s.has_lora && s.I <= 768 && p.rows < 80 * E_total;
-    // Layers of at most 16 experts (plan.cpp kFewExperts) take it above 8 rows an expert too.
-    const bool wgmma_tile = (p.rows >= 32 * E_total && !lora_thin) || (E_total <= 16 && p.rows > 8 * E_total);
+    // Layers of at most kFewExperts experts take it above 8 rows an expert too.
+    const bool few = E_total <= kFewExperts;
+    const bool wgmma_tile = (p.rows >= 32 * E_total && !lora_thin) || (few && p.rows > 8 * E_total);
     EXPECT_EQ(pw.gemm_config, wgmma_tile ? 3 : p.gemm_config);
-    if (E_total <= 16 && p.rows > 0 && p.rows <= 8 * E_total) EXPECT_EQ(p.gemm_config, 0);
+    if (few && p.rows > 0 && p.rows <= 8 * E_total) EXPECT_EQ(p.gemm_config, 0);
     check_plan(w, rng);
     // Every tile forced (MoeArgs::gemm_tile) is a plan of its own that keeps them too.
     for (int t = 0; t < kNumGemmConfigs; ++t) {
