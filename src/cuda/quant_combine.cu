@@ -75,9 +75,6 @@ __global__ void quantize_rows_kernel(QuantizeParams p) {
   for (int b = threadIdx.x; b < p.K / 16; b += blockDim.x) quantize_block(p, row, b, gs);
 }
 
-// y_t = sum_j w_tj o_tj in slot order (+ shared, + SharedOuter down delta), fp32 multiply then add (no FMA,
-// as the reference), rounded once to bf16, or written as the fp32 sum (y_f32: float32 y, no rounding, as the
-// reference's float32 y). One thread per 4 outputs of a token.
 // 0 when local expert e's device-given activation parameters are in range, else the flag code of the first bad one.
 // The three values are loaded before any is tested: a test between them made each load wait for the one before.
 __device__ __forceinline__ int bad_act_param(const CombineParams& p, int e) {
@@ -103,7 +100,10 @@ __device__ __forceinline__ void check_every_expert(const CombineParams& p) {
   if (code) atomicExch(p.error_flag, code);
 }
 
-// One block's outputs: 4 a thread of token t = blockIdx.x / blocks_per_token.
+// y_t = sum_j w_tj o_tj in slot order (+ shared, + SharedOuter down delta), fp32 multiply then add (no FMA,
+// as the reference), rounded once to bf16, or written as the fp32 sum (y_f32: float32 y, no rounding, as the
+// reference's float32 y). One block: 4 outputs a thread of token t =
+// blockIdx.x / blocks_per_token.
 __device__ __forceinline__ void combine_token(const CombineParams& p, bool act_on_device) {
   // The local expert of an entry, -1 when it is another rank's or a dropped bad id; local() also -1 when its
   // parameters are bad: such an entry contributes nothing.

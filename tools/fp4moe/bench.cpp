@@ -175,15 +175,15 @@ int run_bench_cuda(const Options& o) {
         std::vector<bench::Touch> touches;
         for (const auto& ids : routings) touches.push_back(bench::count_touch(ids, T, s.k, 0, c.E_loc, aids));
         CaseResult r = run_case(d, c, pools, T, lora, o, ws, touches);
-        if (r.status == "ok")
+        if (r.status == "ok") {
           r.m = bench::derive_metrics(r.median_us, r.weight_bytes + r.lora_bytes, r.io, r.flops, ceil.copy_gbps, ceil.gemm_tflops);
-        if (r.status == "ok")
           std::printf("  T=%-6lld %-13s %10.1f us  p10 %9.1f  p90 %9.1f  %6.0f GB/s (%.2f of copy)  %6.1f TFLOP/s (%.2f of gemm)  "
                       "floor %8.1f us  x%.2f  %s%s\n",
                       (long long)T, r.lora_case.c_str(), r.median_us, r.p10_us, r.p90_us, r.m.gbps, r.m.ratio_copy, r.m.tflops,
                       r.m.ratio_gemm, r.m.floor_us, r.m.time_over_floor, r.output_check.c_str(), r.graph ? "" : " (no graph)");
-        else
+        } else {
           std::printf("  T=%-6lld %-13s %s: %s\n", (long long)T, r.lora_case.c_str(), r.status.c_str(), r.message.c_str());
+        }
         std::fflush(stdout);
         results.push_back(std::move(r));
       };

@@ -174,11 +174,7 @@ template <class C> struct StagePipe {
     __syncthreads();
     const uint32_t sstage = sbase + rd * C::STAGE_BYTES;
     ld.wait_weights(bar0 + 8 * rd, ph);
-    if constexpr (kPer == 2) {
-      if (both) ld.wait_weights(bar0 + 8 * (rd + 1), ph);
-    } else {
-      (void)both;
-    }
+    if (kPer == 2 && both) ld.wait_weights(bar0 + 8 * (rd + 1), ph);
 #pragma unroll
     for (int i = 0; i < kPer; ++i) {
       const int w = rd + kAhead + i, wr = w < C::STAGES ? w : w - C::STAGES;
