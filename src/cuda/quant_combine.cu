@@ -187,12 +187,26 @@ __device__ __forceinline__ void combine_token(const CombineParams& p, bool act_o
     acc[2] = __fadd_rn(acc[2], s.z);
     acc[3] = __fadd_rn(acc[3], s.w);
   }
-  // + the SharedOuter down delta dy = bf16(bf16(z) . B2^T), i ascending; +0 for every other token.
+  // + the SharedOuter down delta dy = bf16(bf16(z) . B2^T), i ascending; +0 for every other token. B2's rows by
+  // 16 bytes where they allow (r a multiple of 8, B2 16-byte aligned: block-uniform): a load a bf16 was most of it.
   float dy[4] = {0.f, 0.f, 0.f, 0.f};
+  const bool rows16 = r2 % 8 == 0 && reinterpret_cast<uintptr_t>(b2) % 16 == 0;
   for (int q = 0; q < 4 && r2 > 0; ++q) {
     const uint16_t* brow = b2 + static_cast<int64_t>(h + q) * r2;
     float d = 0.f;
-    for (int i = 0; i < r2; ++i) d = __fadd_rn(d, __fmul_rn(s_z[i], dev::bf16_to_f32(brow[i])));
+    if (rows16) {
+      for (int i0 = 0; i0 < r2; i0 += 8) {
+        const uint4 v = *reinterpret_cast<const uint4*>(brow + i0);
+        const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const uint16_t b = static_cast<uint16_t>(j % 2 ? w[j / 2] >> 16 : w[j / 2] & 0xffffu);
+          d = __fadd_rn(d, __fmul_rn(s_z[i0 + j], dev::bf16_to_f32(b)));
+        }
+      }
+    } else {
+      for (int i = 0; i < r2; ++i) d = __fadd_rn(d, __fmul_rn(s_z[i], dev::bf16_to_f32(brow[i])));
+    }
     dy[q] = dev::round_to_bf16(d);
   }
   if (p.y_f32) {
