@@ -1,7 +1,8 @@
 // Programmatic dependent launch (sm_90+): a kernel launched with launch_pdl may be scheduled while the kernel
 // before it in the stream finishes, and waits in pdl_wait() until that kernel's results are visible. A decode
 // step is a chain of small kernels, so their launch latencies are a large part of it. Every kernel launched
-// this way calls pdl_wait() before it touches global memory; pdl_launch_dependents() lets the next kernel in.
+// this way calls pdl_wait() before it reads what its predecessor writes, and pdl_launch_dependents() (which lets
+// the next kernel in) only after it: so when a kernel starts, every kernel before its predecessor has finished.
 #pragma once
 #include <cuda_runtime.h>
 

@@ -75,50 +75,74 @@ __global__ void quantize_rows_kernel(QuantizeParams p) {
   for (int b = threadIdx.x; b < p.K / 16; b += blockDim.x) quantize_block(p, row, b, gs);
 }
 
-// 0 when local expert e's device-given activation parameters are in range, else the flag code of the first bad one.
-// The three values are loaded before any is tested: a test between them made each load wait for the one before.
-__device__ __forceinline__ int bad_act_param(const CombineParams& p, int e) {
-  const float a = p.act_alpha ? p.act_alpha[e] : 1.f;
-  const float b = p.act_beta ? p.act_beta[e] : 1.f;
-  const float c = p.act_clamp_limit ? p.act_clamp_limit[e] : 1.f;
+// 0 when the activation parameters (a, b, c) of an expert are in range, else the flag code of the first bad one.
+__device__ __forceinline__ int bad_act_values(const CombineParams& p, float a, float b, float c) {
   if (!isfinite(a) || (p.act_positive && !(a > 0.f))) return kErrActAlpha;
   if (!isfinite(b) || (p.act_positive && !(b > 0.f))) return kErrActBeta;
   if (!(c > 0.f)) return kErrActClampLimit;  // +inf = no clamp
   return 0;
 }
 
-// Block 0: every expert's parameters, used by a token or not (flag 6/7/8). After the block's outputs: a decode
-// token's combine is a few blocks, and this walk over all experts delayed the kernel's end.
-__device__ __forceinline__ void check_every_expert(const CombineParams& p) {
-  if (blockIdx.x != 0) return;
+// The same for local expert e's device-given parameters.
+__device__ __forceinline__ int bad_act_param(const CombineParams& p, int e) {
+  return bad_act_values(p, p.act_alpha ? p.act_alpha[e] : 1.f, p.act_beta ? p.act_beta[e] : 1.f,
+                        p.act_clamp_limit ? p.act_clamp_limit[e] : 1.f);
+}
+
+// Block 0: the flag code of the first bad expert among all (6/7/8), used by a token or not; 0 when none is bad.
+__device__ __forceinline__ int every_expert_code(const CombineParams& p) {
   int code = 0;
 #pragma unroll 4
   for (int e = threadIdx.x; e < p.E_loc; e += blockDim.x) {
     const int c = bad_act_param(p, e);
     code = code ? code : c;
   }
-  if (code) atomicExch(p.error_flag, code);
+  return code;
+}
+
+// The local experts and weights of 8 slots of a token, from slot j0: e -1 for another rank's expert, a dropped bad
+// id, bad parameters or past k. Every load is issued before any is tested (a test between them made each wait).
+constexpr int kBatch = 8;
+struct SlotBatch {
+  int e[kBatch];
+  float w[kBatch];
+};
+__device__ __forceinline__ SlotBatch load_slots(const CombineParams& p, int t, int j0, bool act_on_device) {
+  SlotBatch s;
+#pragma unroll
+  for (int b = 0; b < kBatch; ++b) {
+    const int64_t entry = static_cast<int64_t>(t) * p.k + j0 + b;
+    const int e = j0 + b < p.k ? p.ids[entry] - p.local_offset : -1;
+    s.e[b] = e >= 0 && e < p.E_loc ? e : -1;
+    s.w[b] = j0 + b < p.k ? p.weights[entry] : 0.f;
+  }
+  if (act_on_device && p.E_loc > 0) {
+    float a[kBatch], bt[kBatch], c[kBatch];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int e = s.e[b] >= 0 ? s.e[b] : 0;  // expert 0's values for an unused slot: loads need no branch
+      a[b] = p.act_alpha ? p.act_alpha[e] : 1.f;
+      bt[b] = p.act_beta ? p.act_beta[e] : 1.f;
+      c[b] = p.act_clamp_limit ? p.act_clamp_limit[e] : 1.f;
+    }
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b)
+      if (bad_act_values(p, a[b], bt[b], c[b])) s.e[b] = -1;
+  }
+  return s;
 }
 
 // y_t = sum_j w_tj o_tj in slot order (+ shared, + SharedOuter down delta), fp32 multiply then add (no FMA,
 // as the reference), rounded once to bf16, or written as the fp32 sum (y_f32: float32 y, no rounding, as the
-// reference's float32 y). One block: 4 outputs a thread of token t =
-// blockIdx.x / blocks_per_token.
-__device__ __forceinline__ void combine_token(const CombineParams& p, bool act_on_device) {
-  // The local expert of an entry, -1 when it is another rank's or a dropped bad id; local() also -1 when its
-  // parameters are bad: such an entry contributes nothing.
-  auto in_range = [&](int64_t entry) {
-    const int e = p.ids[entry] - p.local_offset;
-    return e >= 0 && e < p.E_loc ? e : -1;
-  };
+// reference's float32 y). One block: 4 outputs a thread of token t = blockIdx.x / blocks_per_token; first: its
+// slots 0..7, loaded before the wait.
+__device__ __forceinline__ void combine_token(const CombineParams& p, bool act_on_device, int t, const SlotBatch& first) {
+  // The local expert of an entry, -1 when it is another rank's, a dropped bad id or has bad parameters.
   auto local = [&](int64_t entry) {
-    const int e = in_range(entry);
-    return e >= 0 && act_on_device && bad_act_param(p, e) ? -1 : e;
+    const int e = p.ids[entry] - p.local_offset;
+    return e < 0 || e >= p.E_loc || (act_on_device && bad_act_param(p, e)) ? -1 : e;
   };
-  const int64_t gid = static_cast<int64_t>(blockIdx.x);
-  const int t = static_cast<int>(gid / p.blocks_per_token);
-  const int h = (static_cast<int>(gid % p.blocks_per_token) * p.threads + threadIdx.x) * 4;
-  if (t >= p.T) return;  // block-uniform
+  const int h = (static_cast<int>(blockIdx.x % p.blocks_per_token) * p.threads + threadIdx.x) * 4;
   // SharedOuter down LoRA of this token (block-uniform): z = sum_j w_j t2_j over the local slots in slot
   // order (fp32 multiply, then add), rounded to bf16 into shared memory for the expand below.
   __shared__ float s_z[kMaxLoraRank];
@@ -147,29 +171,17 @@ __device__ __forceinline__ void combine_token(const CombineParams& p, bool act_o
     __syncthreads();
   }
   if (h >= p.H) return;
-  // Slots in batches of 8: ids, weights, the o rows and the experts' parameters of a batch are loaded before any is
-  // used (a decode token's combine is a chain of dependent loads otherwise); the sum still runs in slot order.
+  // Slots in batches of 8, the o rows of a batch loaded before any is used; the sum still runs in slot order.
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  constexpr int kBatch = 8;
   for (int j0 = 0; j0 < p.k; j0 += kBatch) {
-    int e[kBatch];
-    float w[kBatch];
+    const SlotBatch s = j0 == 0 ? first : load_slots(p, t, j0, act_on_device);
+    const int* e = s.e;
+    const float* w = s.w;
     float4 o[kBatch];
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
       const int64_t entry = static_cast<int64_t>(t) * p.k + j0 + b;
-      e[b] = j0 + b < p.k ? in_range(entry) : -1;
-      w[b] = j0 + b < p.k ? p.weights[entry] : 0.f;
-    }
-#pragma unroll
-    for (int b = 0; b < kBatch; ++b) {
-      const int64_t entry = static_cast<int64_t>(t) * p.k + j0 + b;
       if (e[b] >= 0) o[b] = *reinterpret_cast<const float4*>(p.out + entry * p.H + h);
-    }
-    if (act_on_device) {
-#pragma unroll
-      for (int b = 0; b < kBatch; ++b)
-        if (e[b] >= 0 && bad_act_param(p, e[b])) e[b] = -1;
     }
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
@@ -220,12 +232,19 @@ __device__ __forceinline__ void combine_token(const CombineParams& p, bool act_o
   for (int i = 0; i < 4; ++i) y[i] = dev::f32_to_bf16(__fadd_rn(acc[i], dy[i]));
 }
 
+// Before the wait it reads only what the call was given and what the routing wrote: every kernel of the chain lets
+// the next one start only after its own wait, so when this one starts all but its predecessor have finished, and
+// the loads of slots and parameters overlap the GEMM's tail (a decode token's combine is those loads' latency).
 __global__ void combine_kernel(CombineParams p) {
+  const bool act_on_device = p.act_alpha || p.act_beta || p.act_clamp_limit;
+  const int t = static_cast<int>(static_cast<int64_t>(blockIdx.x) / p.blocks_per_token);
+  if (t >= p.T) return;  // block-uniform
+  const SlotBatch first = load_slots(p, t, 0, act_on_device);
+  const int every = act_on_device && blockIdx.x == 0 ? every_expert_code(p) : 0;
   dev::pdl_wait();
   dev::pdl_launch_dependents();
-  const bool act_on_device = p.act_alpha || p.act_beta || p.act_clamp_limit;
-  combine_token(p, act_on_device);
-  if (act_on_device) check_every_expert(p);
+  if (every) atomicExch(p.error_flag, every);
+  combine_token(p, act_on_device, t, first);
 }
 
 }  // namespace
