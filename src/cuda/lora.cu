@@ -17,6 +17,7 @@
 #include "cuda/kernels.h"
 #include "cuda/mma.cuh"
 #include "cuda/nvfp4_device.cuh"
+#include "cuda/pdl.cuh"
 
 namespace fp4moe::cuda_backend {
 namespace {
@@ -160,18 +161,30 @@ __global__ void __launch_bounds__(512) lora_shrink1_kernel(LoraShrink1Params p) 
   __shared__ float4 part[kUnits][32][1];
   __shared__ Shrink1Item s_item;
   const int t = static_cast<int>(blockIdx.x), y = static_cast<int>(blockIdx.y);
+  // Before the wait: the slot, from the call's adapter_ids and the slot table (written before the chain).
+  int slot = -1;
+  LoraProj gu{}, sg{};
   if (threadIdx.x == 0) {
     // The only place adapter_ids are read: anything but -1 or a loaded slot is dropped (base) and flagged (by the
     // token's first block, which also publishes the slot).
     const int id = p.adapter_ids[t];
-    int slot = -1;
     if (id >= 0 && id < p.num_slots && p.table[id].loaded) slot = id;
-    else if (id != -1 && y == 0) atomicExch(p.error_flag, kErrAdapterIds);
+    if (slot >= 0) {
+      gu = p.table[slot].proj[kLoraGateUp];
+      if (p.shared_expert) sg = p.table[slot].proj[kLoraSharedGateUp];
+    }
+    if (slot < 0 && id != -1) slot = -2;  // flagged after the wait, after the routing's own flags as before
+  }
+  dev::pdl_wait();  // the routing's ids
+  dev::pdl_launch_dependents();
+  if (threadIdx.x == 0) {
+    if (slot == -2) {
+      slot = -1;
+      if (y == 0) atomicExch(p.error_flag, kErrAdapterIds);
+    }
     if (y == 0) p.token_slot[t] = slot;
     Shrink1Item it;
     if (slot >= 0) {
-      const LoraProj gu = p.table[slot].proj[kLoraGateUp];
-      const LoraProj sg = p.shared_expert ? p.table[slot].proj[kLoraSharedGateUp] : LoraProj{};
       const int rpi = p.rows_per_item;
       const Shrink1Items n = shrink1_items(gu.r, gu.a_shared != 0, sg.r, p.k, rpi, p.routed_in_tiles);
       if (y < n.routed) {
@@ -215,6 +228,8 @@ __global__ void __launch_bounds__(128) lora_shrink_tiled_kernel(LoraTiledShrinkP
   __shared__ float4 part[kUnits][32][kRunGroups];
   __shared__ int s_entry[kMaxTileRows], s_slot[kMaxTileRows], s_run0[kMaxTileRows + 1], s_item0[kMaxTileRows + 1];
   __shared__ LoraProj s_proj[kMaxTileRows];
+  dev::pdl_wait();
+  dev::pdl_launch_dependents();
   __shared__ int s_runs;
   const int tile = static_cast<int>(blockIdx.x);
   if (tile >= p.tile_info[2 * p.max_tiles]) return;  // fewer tiles than the plan's bound
@@ -293,6 +308,8 @@ __global__ void __launch_bounds__(128) lora_shrink_tiled_kernel(LoraTiledShrinkP
 // Block per row: the row's items are rows_per_item-row blocks of its adapter's A (routed: A2 of the row's expert).
 __global__ void __launch_bounds__(512) lora_shrink2_kernel(LoraShrink2Params p) {  // up to 16 warps (plan)
   __shared__ float4 part[kUnits][32][1];
+  // Before the wait, the row's adapter: from the permutation, the routing and the x shrink, which finished before
+  // the GEMM that wrote a (this kernel's predecessor) let this one start.
   const int row = static_cast<int>(blockIdx.x);
   if (p.row_count && row >= *p.row_count) return;  // rows the permutation did not fill
   int entry = row, token = row, e = 0;
@@ -309,6 +326,8 @@ __global__ void __launch_bounds__(512) lora_shrink2_kernel(LoraShrink2Params p) 
   const uint16_t* A = pj.A + static_cast<int64_t>(pj.a_shared ? 0 : e) * pj.r * p.K;
   float* dst = p.t + static_cast<int64_t>(entry) * p.t_stride;
   const int rpi = p.rows_per_item;
+  dev::pdl_wait();
+  dev::pdl_launch_dependents();
   block_shrink<1>(
       (pj.r + rpi - 1) / rpi, p.K, part, [&](int m) { return one_row_lane(a, A, pj.r, rpi * m, p.K, rpi); },
       [&](int m, const float (&s)[1][4]) { store_one_row(s, dst, pj.r, rpi * m, rpi); });
@@ -318,25 +337,21 @@ __global__ void __launch_bounds__(512) lora_shrink2_kernel(LoraShrink2Params p) 
 
 void launch_lora_shrink1(const LoraShrink1Params& p, int threads, cudaStream_t stream) {
   if (p.T <= 0) return;
-  lora_shrink1_kernel<<<dim3(static_cast<unsigned>(p.T), static_cast<unsigned>(p.max_items)), threads, 0, stream>>>(p);
-  const cudaError_t e = cudaGetLastError();  // the grid in the message only on failure (not built every call)
-  if (e != cudaSuccess)
-    check_cuda(e, ("lora_shrink1_kernel (grid " + std::to_string(p.T) + " x " + std::to_string(p.max_items) + ", " +
-                   std::to_string(threads) + " threads)").c_str());
+  launch_pdl(lora_shrink1_kernel, dim3(static_cast<unsigned>(p.T), static_cast<unsigned>(p.max_items)), dim3(threads), 0,
+             stream, "lora_shrink1_kernel", p);
 }
 
 void launch_lora_shrink_tiled(const LoraTiledShrinkParams& p, cudaStream_t stream) {
   if (p.max_tiles <= 0) return;
   // 4 warps a block, kTiledBlocks blocks a tile: the tile's (run, 16 rank rows) items are dealt out to the blocks,
   // an item's chunks to a block's warps.
-  lora_shrink_tiled_kernel<<<dim3(static_cast<unsigned>(p.max_tiles), kTiledBlocks), 128, 0, stream>>>(p);
-  check_launch("lora_shrink_tiled_kernel");
+  launch_pdl(lora_shrink_tiled_kernel, dim3(static_cast<unsigned>(p.max_tiles), kTiledBlocks), dim3(128), 0, stream,
+             "lora_shrink_tiled_kernel", p);
 }
 
 void launch_lora_shrink2(const LoraShrink2Params& p, int threads, cudaStream_t stream) {
   if (p.rows <= 0) return;
-  lora_shrink2_kernel<<<static_cast<unsigned>(p.rows), threads, 0, stream>>>(p);
-  check_launch("lora_shrink2_kernel");
+  launch_pdl(lora_shrink2_kernel, dim3(static_cast<unsigned>(p.rows)), dim3(threads), 0, stream, "lora_shrink2_kernel", p);
 }
 
 }  // namespace fp4moe::cuda_backend
