@@ -3,7 +3,7 @@
 
 Usage: compare_peers.py FP4MOE.json NAME=PEER.json [NAME=PEER.json ...] [--lora-case CASE]
 
-A peer file is a JSON list of cases, or an object with a "cases" list; a case has "shape", "T" and "median_us"
+A peer file is a JSON list of cases, or an object with a "cases" (or "results") list; a case has "shape", "T" and "median_us"
 (cases with a "status" other than "ok" are left out). Rows: every (shape, T) of the fp4moe file's CASE rows (default
 "base", the rows without LoRA), with the floor, fp4moe's time and its multiple of the floor, each peer's time and
 fp4moe's time over it (below 1: fp4moe is faster); the fastest time of a row is in bold. Shape names match after
@@ -24,7 +24,7 @@ def fp4moe_rows(doc, case):
 
 
 def peer_times(doc):
-    cases = doc["cases"] if isinstance(doc, dict) else doc
+    cases = (doc["cases"] if "cases" in doc else doc["results"]) if isinstance(doc, dict) else doc
     return {(shape_of(c), c["T"]): c["median_us"] for c in cases if c.get("status", "ok") == "ok"}
 
 

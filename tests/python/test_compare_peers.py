@@ -41,6 +41,12 @@ def test_lora_case_rows_and_variant_suffix():
     assert lines[2:] == ["| kimi_k3_tp8 | 1 | 6.0 | **45.0** | 7.50 | 50.0 | 0.90 |"]
 
 
+def test_results_key():
+    peer = {"peer": "p", "results": [{"shape": "kimi_k3_tp8", "T": 1, "median_us": 20.0}]}
+    lines = compare_peers.table(_FP4MOE, [("p", peer)])
+    assert lines[2] == "| kimi_k3_tp8 | 1 | 5.0 | 30.0 | 6.00 | **20.0** | 1.50 |"
+
+
 def test_command_line(tmp_path, capsys):
     f = tmp_path / "fp4moe.json"
     p = tmp_path / "marlin.json"
