@@ -282,6 +282,7 @@ void lora_shrink_x(const Call& c, const Chunk& ch) {
   lp.local_offset = c.local_offset();
   lp.shared_expert = c.sw != nullptr;
   lp.routed_in_tiles = c.plan.lora_shrink_tiled;
+  lp.slots_before_wait = c.s.routing_from_logits || c.a4;  // route() or quantize_x() launched a kernel before
   lp.rows_per_item = c.plan.lora_shrink1_rows_per_item;
   lp.max_items = c.shrink1_items;
   lp.token_slot = c.b.lora_slot;

@@ -115,6 +115,9 @@ struct LoraShrink1Params {
   // plan.lora_shrink_tiled: the routed outputs of per-expert A1s are left to launch_lora_shrink_tiled, after the
   // permutation (this kernel still checks the slots and does shared A1s and the shared expert).
   bool routed_in_tiles = false;
+  // A kernel of this call runs before this one (the routing or the x quantizer), so the caller's adapter_ids may be
+  // read before pdl_wait(); false when this is the call's first kernel (its predecessor may be the caller's).
+  bool slots_before_wait = false;
 };
 
 // A routed shrink over GEMM1's row tiles (plan.lora_shrink_tiled): t[entry][i] = bf16(in_row . A_{slot,e}[i]) for

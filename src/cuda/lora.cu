@@ -161,7 +161,9 @@ __global__ void __launch_bounds__(512) lora_shrink1_kernel(LoraShrink1Params p) 
   __shared__ float4 part[kUnits][32][1];
   __shared__ Shrink1Item s_item;
   const int t = static_cast<int>(blockIdx.x), y = static_cast<int>(blockIdx.y);
-  // Before the wait: the slot, from the call's adapter_ids and the slot table (written before the chain).
+  // Before the wait when another kernel of the call ran first: the slot, from the call's adapter_ids and the slot
+  // table (written before the chain).
+  if (!p.slots_before_wait) dev::pdl_wait();
   int slot = -1;
   LoraProj gu{}, sg{};
   if (threadIdx.x == 0) {
@@ -175,7 +177,7 @@ __global__ void __launch_bounds__(512) lora_shrink1_kernel(LoraShrink1Params p) 
     }
     if (slot < 0 && id != -1) slot = -2;  // flagged after the wait, after the routing's own flags as before
   }
-  dev::pdl_wait();  // the routing's ids
+  if (p.slots_before_wait) dev::pdl_wait();  // the routing's ids
   dev::pdl_launch_dependents();
   if (threadIdx.x == 0) {
     if (slot == -2) {
