@@ -181,6 +181,7 @@ struct Chunk {
   const int32_t* ids = nullptr;
   const float* wts = nullptr;
   const uint16_t* a_in = nullptr;  // GEMM1's A: x, or its NVFP4 values (A4)
+  bool launched = false;           // a kernel of this chunk is on the stream (the next one is not the chunk's first)
 };
 
 const uint16_t* x_of(const Call& c, const Chunk& ch) {
@@ -244,6 +245,7 @@ void route(const Call& c, Chunk& ch) {
   rp.weights = c.b.wts;
   rp.error_flag = c.err;
   launch_routing(rp, c.plan.routing_warps_per_block, c.plan.routing_smem, c.stream);
+  ch.launched = true;
   ch.ids = c.b.ids;
   ch.wts = c.b.wts;
 }
@@ -263,6 +265,7 @@ void quantize_x(const Call& c, Chunk& ch) {
   qp.gs = c.args.per_token_x_scale ? 1.f : 1.f / c.args.fc1_input_scale;
   qp.scale2 = c.args.fc1_input_scale;
   launch_quantize(qp, c.stream);
+  ch.launched = true;
   ch.a_in = c.b.x_q;
 }
 
@@ -282,7 +285,7 @@ void lora_shrink_x(const Call& c, const Chunk& ch) {
   lp.local_offset = c.local_offset();
   lp.shared_expert = c.sw != nullptr;
   lp.routed_in_tiles = c.plan.lora_shrink_tiled;
-  lp.slots_before_wait = c.s.routing_from_logits || c.a4;  // route() or quantize_x() launched a kernel before
+  lp.slots_before_wait = ch.launched;
   lp.rows_per_item = c.plan.lora_shrink1_rows_per_item;
   lp.max_items = c.shrink1_items;
   lp.token_slot = c.b.lora_slot;
