@@ -110,10 +110,13 @@ __device__ __forceinline__ float read_logit(const RoutingParams& p, int t, int e
 // kernel is a single warp whose time follows the code it runs through, not its instruction count (ncu, H200,
 // kimi_k3_tp8: "no instruction" stalls ~64 % of the cycles; the fully unrolled register version with fewer
 // instructions but more code ran 12 -> 17 us).
+// M: the routing method, a template argument so that each method's kernel holds only its own code (a T = 1 call is
+// one warp fetching its instructions cold: the branches of the other methods were code it jumped over).
+template <RoutingMethod M>
 __device__ __forceinline__ void route_token(const RoutingParams& p, int t, float* sel, uint32_t* keys, float* gsc) {
   const int lane = threadIdx.x & 31;
   const int E = p.E, k = p.k;
-  const auto method = static_cast<RoutingMethod>(p.method);
+  constexpr RoutingMethod method = M;
   const bool with_bias = p.bias && (method == RoutingMethod::DeepSeekV3 || method == RoutingMethod::MiniMax2);
   float* bias = reinterpret_cast<float*>(keys);
 
@@ -135,13 +138,6 @@ __device__ __forceinline__ void route_token(const RoutingParams& p, int t, float
   }
   dev::cp_async_wait<0>();
   __syncwarp();
-  // The bias lives on the device only: the first token of the launch checks it (the selection stays in range).
-  if (with_bias && t == 0 && p.error_flag) {
-    bool bad = false;
-#pragma unroll 1
-    for (int e = lane; e < E; e += 32) bad |= !isfinite(bias[e]);
-    if (__any_sync(0xffffffffu, bad) && lane == 0) atomicExch(p.error_flag, kErrRoutingBias);
-  }
 
   if (method == RoutingMethod::Default || method == RoutingMethod::RenormalizeNaive) {
     float m = -INFINITY;
@@ -164,11 +160,16 @@ __device__ __forceinline__ void route_token(const RoutingParams& p, int t, float
 #pragma unroll 1
     for (int e = lane; e < E; e += 32) sel[e] = act::sigmoid(sel[e]);
   } else if (method == RoutingMethod::DeepSeekV3 || method == RoutingMethod::MiniMax2) {
+    bool bad = false;  // the bias lives on the device only: every token checks the values it adds
 #pragma unroll 1
     for (int e = lane; e < E; e += 32) {
       const float s = act::sigmoid(sel[e]);
+      if (with_bias) bad |= !isfinite(bias[e]);
       sel[e] = with_bias ? s + bias[e] : s;
     }
+    // the first token of the launch flags it (the selection stays in range)
+    if (with_bias && t == 0 && p.error_flag && __any_sync(0xffffffffu, bad) && lane == 0)
+      atomicExch(p.error_flag, kErrRoutingBias);
   }
   __syncwarp();
 
@@ -269,7 +270,7 @@ __device__ __forceinline__ void route_token(const RoutingParams& p, int t, float
     if (lane + 32 * h < k) w[lane + 32 * h] = out[h];
 }
 
-__global__ void routing_kernel(RoutingParams p) {
+template <RoutingMethod M> __global__ void routing_kernel(RoutingParams p) {
   dev::pdl_wait();
   dev::pdl_launch_dependents();
   extern __shared__ float smem[];
@@ -277,18 +278,36 @@ __global__ void routing_kernel(RoutingParams p) {
   const int t = blockIdx.x * (blockDim.x >> 5) + warp;
   if (t >= p.T) return;
   float* sel = smem + warp * routing_floats_per_warp(p.E);
-  route_token(p, t, sel, reinterpret_cast<uint32_t*>(sel + p.E), sel + 2 * p.E);
+  route_token<M>(p, t, sel, reinterpret_cast<uint32_t*>(sel + p.E), sel + 2 * p.E);
+}
+
+template <RoutingMethod M> void launch_routing_as(const RoutingParams& p, int warps_per_block, size_t smem,
+                                                  cudaStream_t stream) {
+  const int blocks = (p.T + warps_per_block - 1) / warps_per_block;
+  if (smem > 48 * 1024)
+    check_cuda(cudaFuncSetAttribute(routing_kernel<M>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
+               "cudaFuncSetAttribute(routing_kernel)");
+  launch_pdl(routing_kernel<M>, dim3(blocks), dim3(32 * warps_per_block), smem, stream, "routing_kernel", p);
 }
 
 }  // namespace
 
 void launch_routing(const RoutingParams& p, int warps_per_block, size_t smem, cudaStream_t stream) {
   if (p.T <= 0) return;
-  const int blocks = (p.T + warps_per_block - 1) / warps_per_block;
-  if (smem > 48 * 1024)
-    check_cuda(cudaFuncSetAttribute(routing_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
-               "cudaFuncSetAttribute(routing_kernel)");
-  launch_pdl(routing_kernel, dim3(blocks), dim3(32 * warps_per_block), smem, stream, "routing_kernel", p);
+  using R = RoutingMethod;
+  switch (static_cast<R>(p.method)) {
+    case R::Default: return launch_routing_as<R::Default>(p, warps_per_block, smem, stream);
+    case R::Renormalize: return launch_routing_as<R::Renormalize>(p, warps_per_block, smem, stream);
+    case R::DeepSeekV3: return launch_routing_as<R::DeepSeekV3>(p, warps_per_block, smem, stream);
+    case R::Llama4: return launch_routing_as<R::Llama4>(p, warps_per_block, smem, stream);
+    case R::RenormalizeNaive: return launch_routing_as<R::RenormalizeNaive>(p, warps_per_block, smem, stream);
+    case R::TopK: return launch_routing_as<R::TopK>(p, warps_per_block, smem, stream);
+    case R::SigmoidRenorm: return launch_routing_as<R::SigmoidRenorm>(p, warps_per_block, smem, stream);
+    case R::MiniMax2: return launch_routing_as<R::MiniMax2>(p, warps_per_block, smem, stream);
+    case R::Sigmoid: return launch_routing_as<R::Sigmoid>(p, warps_per_block, smem, stream);
+    case R::TopKSigmoid: return launch_routing_as<R::TopKSigmoid>(p, warps_per_block, smem, stream);
+  }
+  throw Error(ErrorCode::InvalidArgument, "routing_method", "not a RoutingMethod value");
 }
 
 }  // namespace fp4moe::cuda_backend
