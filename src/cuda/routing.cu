@@ -160,7 +160,7 @@ __device__ __forceinline__ void route_token(const RoutingParams& p, int t, float
 #pragma unroll 1
     for (int e = lane; e < E; e += 32) sel[e] = act::sigmoid(sel[e]);
   } else if (method == RoutingMethod::DeepSeekV3 || method == RoutingMethod::MiniMax2) {
-    bool bad = false;  // the bias lives on the device only: every token checks the values it adds
+    bool bad = false;  // the bias lives on the device only: tested in the loop that adds it (no second pass over E)
 #pragma unroll 1
     for (int e = lane; e < E; e += 32) {
       const float s = act::sigmoid(sel[e]);
