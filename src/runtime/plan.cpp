@@ -136,6 +136,13 @@ MoePlan make_plan(const ProblemShape& shape) {
     return p.rows == 0 ? 0 : ceil_div(p.rows, c.bm) + std::min<int64_t>(s.E_loc, p.rows);
   };
   p.max_m_tiles = m_tiles_of(g);
+  // Under expert parallelism about rows * E_loc / E_total of the entries are this rank's, and most of the
+  // max_m_tiles tiles hold none (their blocks exit at once): the split counts the tiles the local entries fill
+  // under uniform routing (deepseek_v3_ep8, 32 of 256 experts: at T=1 one or two tiles, not nine).
+  auto split_m_tiles_of = [&](const GemmConfig& c) {
+    const int64_t local = ceil_div(p.rows * s.E_loc, s.E_total);
+    return local == 0 ? 0 : std::min(m_tiles_of(c), ceil_div(local, c.bm) + std::min<int64_t>(s.E_loc, local));
+  };
   // Bands of m tiles: without them a chunk whose token rows outgrow the L2 reads them from HBM again for every n
   // tile. Where the GEMM's token source (x for GEMM1, a for GEMM2) fits in L2 with room, one band.
   auto band_of = [&](int64_t source_rows, int64_t K, int64_t n_tiles) {
@@ -155,11 +162,12 @@ MoePlan make_plan(const ProblemShape& shape) {
   // zeroes the counters) runs, split towards twice that many blocks; larger grids stay whole (splitting them was
   // slower). Whole chunks per block; no block without a chunk.
   int64_t partial_floats = 0, counters = 0;
-  auto split_of = [&](const GemmConfig& c, int64_t m_tiles, int64_t n_tiles, int64_t k_pad) {
-    const int64_t blocks = m_tiles * n_tiles, chunks = ceil_div(k_pad, kKChunk);
+  // The grid's blocks (partials, counters) are m_tiles x n_tiles; the choice counts work_m_tiles x n_tiles.
+  auto split_of = [&](const GemmConfig& c, int64_t m_tiles, int64_t work_m_tiles, int64_t n_tiles, int64_t k_pad) {
+    const int64_t blocks = m_tiles * n_tiles, work = work_m_tiles * n_tiles, chunks = ceil_div(k_pad, kKChunk);
     const int64_t target = split_target_blocks(s.device);
-    if (!c.weights_as_a || c.wgmma || p.perm_blocks != 1 || blocks == 0 || blocks >= target || chunks < 2) return 1;
-    const int64_t want = std::min(chunks, ceil_div(2 * target, blocks));
+    if (!c.weights_as_a || c.wgmma || p.perm_blocks != 1 || work == 0 || work >= target || chunks < 2) return 1;
+    const int64_t want = std::min(chunks, ceil_div(2 * target, work));
     const int64_t split = ceil_div(chunks, ceil_div(chunks, want));
     const int64_t rows_per_warp = c.bn / c.warps_n;  // accumulators: (bm / 8) token groups x (rows / 16) x 4
     partial_floats = std::max(partial_floats, blocks * chunks * c.threads() * (c.bm / 8) * (rows_per_warp / 16) * 4);
@@ -168,12 +176,13 @@ MoePlan make_plan(const ProblemShape& shape) {
   };
   auto splits = [&](const GemmConfig& c) {
     const int64_t m = m_tiles_of(c), n1t = ceil_div(p.n1, c.bn), n2t = ceil_div(H, c.bn);
-    p.split1 = split_of(c, m, n1t, p.k1_pad);
-    p.split2 = split_of(c, m, n2t, p.k2_pad);
+    p.split_m_tiles = split_m_tiles_of(c);
+    p.split1 = split_of(c, m, p.split_m_tiles, n1t, p.k1_pad);
+    p.split2 = split_of(c, m, p.split_m_tiles, n2t, p.k2_pad);
     if (s.has_shared) {
       const int64_t sm = ceil_div(p.chunk_tokens, c.bm), sn1t = ceil_div(p.shared_n1, c.bn);
-      p.shared_split1 = split_of(c, sm, sn1t, p.k1_pad);
-      p.shared_split2 = split_of(c, sm, n2t, p.shared_k2_pad);
+      p.shared_split1 = split_of(c, sm, sm, sn1t, p.k1_pad);
+      p.shared_split2 = split_of(c, sm, sm, n2t, p.shared_k2_pad);
     }
   };
   // The workspace is sized for the tile the device-independent choice takes too, so that workspace_size (which
