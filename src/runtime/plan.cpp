@@ -5,6 +5,7 @@
 #include "runtime/host_tensor.h"
 
 #include <algorithm>
+#include <cmath>
 #include <string>
 
 namespace fp4moe {
@@ -15,6 +16,20 @@ namespace {
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
+
+// The m tiles of bm rows that T tokens fill in expectation under uniform routing: a token's k experts are distinct,
+// so each of the E_loc local experts gets c ~ Binomial(T, k / E_total) rows, and E_loc * E[ceil(c / bm)] tiles.
+double expected_m_tiles(int64_t T, int64_t k, int64_t E_loc, int64_t E_total, int64_t bm) {
+  const double p = std::min(1.0, static_cast<double>(k) / static_cast<double>(E_total));
+  if (p >= 1.0) return static_cast<double>(E_loc * ceil_div(T, bm));
+  const double odds = p / (1.0 - p);
+  double pmf = std::pow(1.0 - p, static_cast<double>(T)), tiles = 0.0;  // pmf(c), from c = 0
+  for (int64_t c = 0; c < T; ++c) {
+    pmf *= static_cast<double>(T - c) / static_cast<double>(c + 1) * odds;
+    tiles += pmf * static_cast<double>(ceil_div(c + 1, bm));
+  }
+  return static_cast<double>(E_loc) * tiles;
+}
 
 // Lays out buffers one after the other, each aligned to kWorkspaceAlign; zero-size buffers get offset 0.
 struct Layout {
@@ -136,12 +151,16 @@ MoePlan make_plan(const ProblemShape& shape) {
     return p.rows == 0 ? 0 : ceil_div(p.rows, c.bm) + std::min<int64_t>(s.E_loc, p.rows);
   };
   p.max_m_tiles = m_tiles_of(g);
-  // Under expert parallelism about rows * E_loc / E_total of the entries are this rank's, and most of the
-  // max_m_tiles tiles hold none (their blocks exit at once): the split counts the tiles the local entries fill
-  // under uniform routing (deepseek_v3_ep8, 32 of 256 experts: at T=1 one or two tiles, not nine).
+  // max_m_tiles bounds the tiles of any routing. Under expert parallelism and on layers of few experts the
+  // split-K choice counts the tiles the chunk fills in expectation under uniform routing instead (their blocks do
+  // the work; the others exit at once): deepseek_v3_ep8 (32 of 256 experts) at T=1 has room for nine m tiles and
+  // fills one. On the other layers counting the expected tiles gained nothing and cost qwen3_30b_a3b_tp4 5 % at
+  // T=64 (bench/NOTES.md). Only the one-block permutation's chunks split (at most kOneBlockPermEntries rows).
   auto split_m_tiles_of = [&](const GemmConfig& c) {
-    const int64_t local = ceil_div(p.rows * s.E_loc, s.E_total);
-    return local == 0 ? 0 : std::min(m_tiles_of(c), ceil_div(local, c.bm) + std::min<int64_t>(s.E_loc, local));
+    const bool loose = s.E_loc < s.E_total || s.E_total <= kFewExperts;
+    if (!loose || p.rows == 0 || p.rows > kOneBlockPermEntries) return m_tiles_of(c);
+    const double e = expected_m_tiles(p.chunk_tokens, k, s.E_loc, s.E_total, c.bm);
+    return std::clamp<int64_t>(static_cast<int64_t>(std::ceil(e - 1e-6)), 1, m_tiles_of(c));
   };
   // Bands of m tiles: without them a chunk whose token rows outgrow the L2 reads them from HBM again for every n
   // tile. Where the GEMM's token source (x for GEMM1, a for GEMM2) fits in L2 with room, one band.

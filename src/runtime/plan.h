@@ -102,8 +102,9 @@ struct MoePlan {
   // Split-K of the weights-as-A tiles when their grid is small (decode): blocks per tile along K, in whole
   // kKChunk chunks (1 = no split). The bits do not depend on it (every tile sums the same chunk sums in order).
   int split1 = 1, split2 = 1, shared_split1 = 1, shared_split2 = 1;
-  // The routed m tiles split1 / split2 are chosen for: max_m_tiles, or under expert parallelism the tiles the
-  // rank's expected share of the entries fills (the grid stays max_m_tiles; empty tiles' blocks exit at once).
+  // The routed m tiles split1 / split2 are chosen for: max_m_tiles, or under expert parallelism and on layers of
+  // few experts those the chunk's rows fill in expectation under uniform routing (the grid stays max_m_tiles; the
+  // blocks of empty tiles exit at once).
   int64_t split_m_tiles = 0;
 
   // Combine: one thread per 4 outputs of a token.
