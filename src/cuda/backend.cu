@@ -389,6 +389,7 @@ GemmProblem gemm1(const Call& c, const Chunk& ch) {
   g1.expert_offsets = c.b.expert_offsets;
   g1.max_tiles = static_cast<int>(c.plan.max_m_tiles);
   g1.m_band = c.plan.m_band1;
+  g1.m_last = c.plan.gemm_m_last ? 1 : 0;
   g1.B = c.dw->w1;
   Epilogue1Params e1 = epilogue1_for(*c.dw, c.b.act, static_cast<int>(k), c.a4 ? c.b.x_scale : nullptr);
   e1.delta = a.gate_up_lora_delta.present()

@@ -207,6 +207,9 @@ struct GemmProblem {
   int split = 1;
   float* partials = nullptr;
   int32_t* counters = nullptr;
+  // Weights-as-A grids of one band (plan.h MoePlan::gemm_m_last; the launch keeps it to grids it fits): blocks
+  // (n tile, split, m tile), so the first m tiles, the ones with rows, go first (0: (m tile, n tile, split)).
+  int m_last = 0;
 };
 
 // GEMM1 epilogue: h = acc * s_half[e] * row_scale[token] (+bias) (+delta); a = act(g, u); bf16.

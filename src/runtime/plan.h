@@ -106,6 +106,9 @@ struct MoePlan {
   // few experts those the chunk's rows fill in expectation under uniform routing (the grid stays max_m_tiles; the
   // blocks of empty tiles exit at once).
   int64_t split_m_tiles = 0;
+  // The routed weights-as-A grids in (n tile, split, m tile) order, so that the blocks of the tiles with rows go
+  // first: where the expected tiles are at most half of max_m_tiles (expert parallelism at decode).
+  bool gemm_m_last = false;
 
   // Combine: one thread per 4 outputs of a token.
   int combine_threads = 0;

@@ -120,6 +120,7 @@ void check_plan(const ProblemShape& s, std::mt19937_64& rng) {
   EXPECT_LE(p.split_m_tiles, p.max_m_tiles);
   if (T > 0) EXPECT_GE(p.split_m_tiles * g.bm, (p.rows * E / p.shape.E_total) - g.bm);
   if (E == p.shape.E_total && E > kFewExperts) EXPECT_EQ(p.split_m_tiles, p.max_m_tiles);
+  EXPECT_EQ(p.gemm_m_last, p.max_m_tiles > 0 && 2 * p.split_m_tiles <= p.max_m_tiles);
   struct SplitCase { int split; int64_t m_tiles, n_tiles, k_pad; };
   for (const SplitCase& c : {SplitCase{p.split1, p.split_m_tiles, p.n1_tiles, p.k1_pad},
                              SplitCase{p.split2, p.split_m_tiles, p.n2_tiles, p.k2_pad}}) {
@@ -366,9 +367,11 @@ TEST(Plan, SplitCountsTheExpectedTiles) {
   const MoePlan ep = make_plan(s);
   EXPECT_EQ(ep.max_m_tiles, 9);
   EXPECT_EQ(ep.split_m_tiles, 1);
+  EXPECT_TRUE(ep.gemm_m_last);  // its tiles with rows first
   s.E_total = 32;  // the rank's experts are the whole layer
   const MoePlan all = make_plan(s);
   EXPECT_EQ(all.split_m_tiles, all.max_m_tiles);
+  EXPECT_FALSE(all.gemm_m_last);
   EXPECT_GT(ep.split1, all.split1);
   EXPECT_GE(ep.split2, all.split2);
   EXPECT_EQ(ep.split_partials.bytes, all.split_partials.bytes);  // sized for the same grid

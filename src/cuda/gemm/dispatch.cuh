@@ -34,8 +34,13 @@ void launch_grouped(const GemmProblem& g, const typename Epi::Params& ep, int n_
     check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::SMEM_BYTES),
                "cudaFuncSetAttribute(grouped_gemm_kernel)");
   const unsigned splits = Cfg::WEIGHTS_AS_A ? static_cast<unsigned>(g.split) : 1u;  // split-K: weights-as-A tiles only
-  const dim3 grid(static_cast<unsigned>(m_tiles), static_cast<unsigned>(n_tiles), splits);
-  launch_pdl(kernel, grid, dim3(Cfg::BLOCK_THREADS), Cfg::SMEM_BYTES, stream, "grouped_gemm_kernel", g, ep);
+  GemmProblem gl = g;
+  // A decode grid's m tiles are a bound: under expert parallelism most hold no rows. With the m tile slowest the
+  // blocks that have work are the first dispatched, not spread among the empty ones.
+  gl.m_last = g.m_last && Cfg::WEIGHTS_AS_A && g.m_band <= 0 && m_tiles <= 65535 ? 1 : 0;
+  const dim3 grid = gl.m_last ? dim3(static_cast<unsigned>(n_tiles), splits, static_cast<unsigned>(m_tiles))
+                              : dim3(static_cast<unsigned>(m_tiles), static_cast<unsigned>(n_tiles), splits);
+  launch_pdl(kernel, grid, dim3(Cfg::BLOCK_THREADS), Cfg::SMEM_BYTES, stream, "grouped_gemm_kernel", gl, ep);
 }
 
 // Calls f with a value of the tile type that the plan's tile index `config` names (TileOf, one weight format).

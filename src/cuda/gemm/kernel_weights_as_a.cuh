@@ -1,7 +1,8 @@
 // The grouped GEMM kernel of the weights-as-A tiles (decode, small and medium batches: SplitKDecode, WeightsAsA32,
 // Wgmma64): the weights are the MMA A operand and the tokens B, so a tile of up to BM token rows reads each weight
 // byte once, and the block's many narrow column tiles keep many k-block streams in flight. Block (x, y, z) = (m
-// tile, n tile, split of K); every thread loads its share and computes. Reads top to bottom: schedule, the
+// tile, n tile, split of K), or (n tile, split, m tile) in one-band grids (GemmProblem::m_last); every thread loads
+// its share and computes. Reads top to bottom: schedule, the
 // epilogue's lookups beside the first copies, the mainloop chunk by chunk, split-K, the epilogue group by group.
 //
 // Assumptions (asserted or guaranteed by the plan): N and K are multiples of 16; the weights use the prepared
@@ -44,7 +45,8 @@ template <class Cfg> constexpr int kWeightsAsAMinBlocks =
 // its epilogue; a split tile's blocks but the last return without an epilogue.
 template <class Cfg, class Epi, class Act, class Pipe>
 __device__ __forceinline__ void weights_as_a_tile(const GemmProblem& g, const typename Epi::Params& ep, uint8_t* smem,
-                                                  const TileRows& tr, int nb, KRange kr, Pipe& pipe) {
+                                                  const TileRows& tr, int nb, KRange kr, int64_t tile_lin,
+                                                  Pipe& pipe) {
   using Mainloop = std::conditional_t<Cfg::WGMMA, WeightsAsAWgmma<Cfg>, WeightsAsAMmaSync<Cfg>>;
   using Epilogue = WeightsAsAEpilogue<Cfg, Epi, Act>;
   // RG row groups of 16 weight rows per warp: the token fragments, the loads and the loop are shared by RG
@@ -75,7 +77,7 @@ __device__ __forceinline__ void weights_as_a_tile(const GemmProblem& g, const ty
     if (i < Cfg::BM && tr.row0 + i < tr.row_end) s_row_pre[i] = Epi::row_pre(ep, g, tr.row0 + i);
   }
 
-  const SplitK<Cfg, ACCS> split(g, KB);
+  const SplitK<Cfg, ACCS> split(g, KB, tile_lin);
   Mainloop mainloop;
   float acc[ACCS][4], part[ACCS][4];
   // wgmma: this thread's chunk sums after the stages (gemm_smem_bytes), float4 a of them at [a][thread]: two
@@ -137,14 +139,24 @@ __global__ void __launch_bounds__(Cfg::BLOCK_THREADS, kWeightsAsAMinBlocks<Cfg>)
   dev::pdl_wait();
   dev::pdl_launch_dependents();
   const int KB = static_cast<int>(g.B.Kp / Cfg::BK);
-  int m, n;
-  grid_tile(g.m_band, m, n);
+  int m, n, z;
+  int64_t tile_lin;
+  if (g.m_last) {  // (n tile, split, m tile): launch_grouped's one-band grids
+    n = static_cast<int>(blockIdx.x);
+    z = static_cast<int>(blockIdx.y);
+    m = static_cast<int>(blockIdx.z);
+    tile_lin = static_cast<int64_t>(m) * gridDim.x + n;
+  } else {
+    grid_tile(g.m_band, m, n);
+    z = static_cast<int>(blockIdx.z);
+    tile_lin = static_cast<int64_t>(blockIdx.x) * gridDim.y + blockIdx.y;
+  }
   TileRows tr;
   if (!resolve_tile<Cfg::BM>(g, tr, m)) return;
-  const KRange kr = k_range(KB, static_cast<int>(blockIdx.z), g.split);
+  const KRange kr = k_range(KB, z, g.split);
   const int nb = n * Cfg::BN;
   TilePipeline<Cfg> pipe(smem, g, tr, nb, kr.begin, kr.end - kr.begin);
-  weights_as_a_tile<Cfg, Epi, Act>(g, ep, smem, tr, nb, kr, pipe);
+  weights_as_a_tile<Cfg, Epi, Act>(g, ep, smem, tr, nb, kr, tile_lin, pipe);
 }
 
 }  // namespace fp4moe::cuda_backend

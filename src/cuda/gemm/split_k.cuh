@@ -1,4 +1,4 @@
-// Split-K of a weights-as-A tile over gridDim.z blocks (the plan splits when a decode grid is small): each block
+// Split-K of a weights-as-A tile over g.split blocks (the plan splits when a decode grid is small): each block
 // stores its chunk sums to partials[tile][chunk][thread]; the tile's last block to finish adds all of them in
 // chunk order, the canonical K order (k_order.cuh), and runs the epilogue.
 #pragma once
@@ -13,10 +13,9 @@ namespace fp4moe::cuda_backend {
 template <class Cfg, int ACCS> struct SplitK {
   const GemmProblem& g;
   int chunks;        // K chunks of the whole K
-  int64_t tile_lin;  // this tile's index among the grid's (x, y) tiles
-  __device__ __forceinline__ SplitK(const GemmProblem& g_, int KB)
-      : g(g_), chunks((KB + kChunkBlocks - 1) / kChunkBlocks),
-        tile_lin(static_cast<int64_t>(blockIdx.x) * gridDim.y + blockIdx.y) {}
+  int64_t tile_lin;  // this tile's index among the grid's (m, n) tiles: m * n_tiles + n
+  __device__ __forceinline__ SplitK(const GemmProblem& g_, int KB, int64_t tile_lin_)
+      : g(g_), chunks((KB + kChunkBlocks - 1) / kChunkBlocks), tile_lin(tile_lin_) {}
 
   __device__ __forceinline__ float4* partial_at(int chunk) const {
     return reinterpret_cast<float4*>(g.partials) + ((tile_lin * chunks + chunk) * Cfg::THREADS + threadIdx.x) * ACCS;
