@@ -8,7 +8,9 @@
 #include <string>
 #include <vector>
 
+#include "cuda/backend.h"
 #include "fp4moe/synthetic.h"
+#include "runtime/problem_shape.h"
 
 namespace fp4moe::bench {
 namespace {
@@ -140,6 +142,10 @@ CaseResult run_case(Device& d, ShapeCtx& c, const Pools& pools, int64_t T, std::
       for (int k = 0; k < sets; ++k) moe_run(c.w, args[k]);
       CK(cudaStreamSynchronize(d.stream));
       check_device_errors(d.id);
+      // The plan the backend made of these calls (problem_shape + make_plan, as cuda_backend::run does; every
+      // adapter here has rank kLoraRank).
+      r.plan = bench::plan_choice(make_plan(problem_shape(c.w.impl(), args[0], lora.has_value(), lora ? kLoraRank : 0,
+                                                          cuda_backend::device_desc(d.id))));
       break;
     } catch (const Error& e) {
       (void)cudaGetLastError();

@@ -33,6 +33,7 @@ struct CaseResult {
   double weight_bytes = 0, lora_bytes = 0, io = 0, flops = 0;
   bench::Metrics m;
   std::string output_check;
+  bench::PlanChoice plan;  // make_plan of the call on the case's device
 };
 
 // Random N(0, 1) values in parallel chunks (each chunk its own seed: deterministic for a given n).
