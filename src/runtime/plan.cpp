@@ -19,14 +19,21 @@ int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
 
 // The m tiles of bm rows that T tokens fill in expectation under uniform routing: a token's k experts are distinct,
 // so each of the E_loc local experts gets c ~ Binomial(T, k / E_total) rows, and E_loc * E[ceil(c / bm)] tiles.
+// Negative: the sum could not be formed (pmf(0) underflows), count the bound instead. The sum stops once past
+// the mean the terms fall below 1e-13 of it (the tail is geometric there): make_plan runs on every call.
 double expected_m_tiles(int64_t T, int64_t k, int64_t E_loc, int64_t E_total, int64_t bm) {
   const double p = std::min(1.0, static_cast<double>(k) / static_cast<double>(E_total));
   if (p >= 1.0) return static_cast<double>(E_loc * ceil_div(T, bm));
-  const double odds = p / (1.0 - p);
+  const double odds = p / (1.0 - p), mean = static_cast<double>(T) * p;
   double pmf = std::pow(1.0 - p, static_cast<double>(T)), tiles = 0.0;  // pmf(c), from c = 0
+  if (pmf <= 0.0) return -1.0;
+  int64_t tiles_c = 0, left = 0;  // ceil(c / bm) for c = c + 1 below, and the rows its last tile still takes
   for (int64_t c = 0; c < T; ++c) {
-    pmf *= static_cast<double>(T - c) / static_cast<double>(c + 1) * odds;
-    tiles += pmf * static_cast<double>(ceil_div(c + 1, bm));
+    pmf *= static_cast<double>(T - c) / static_cast<double>(c + 1) * odds;  // pmf(c + 1)
+    if (left == 0) { ++tiles_c; left = bm; }
+    --left;
+    tiles += pmf * static_cast<double>(tiles_c);
+    if (static_cast<double>(c + 1) > mean && pmf * static_cast<double>(tiles_c) < 1e-13 * tiles) break;
   }
   return static_cast<double>(E_loc) * tiles;
 }
@@ -160,6 +167,7 @@ MoePlan make_plan(const ProblemShape& shape) {
     const bool loose = s.E_loc < s.E_total || s.E_total <= kFewExperts;
     if (!loose || p.rows == 0 || p.rows > kOneBlockPermEntries) return m_tiles_of(c);
     const double e = expected_m_tiles(p.chunk_tokens, k, s.E_loc, s.E_total, c.bm);
+    if (e < 0.0) return m_tiles_of(c);
     return std::clamp<int64_t>(static_cast<int64_t>(std::ceil(e - 1e-6)), 1, m_tiles_of(c));
   };
   // Bands of m tiles: without them a chunk whose token rows outgrow the L2 reads them from HBM again for every n
