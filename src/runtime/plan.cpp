@@ -217,8 +217,9 @@ MoePlan make_plan(const ProblemShape& shape) {
   const GemmConfig& g0 = kGemmConfigs[s.gemm_config >= 0 ? s.gemm_config : choose(false)];
   splits(g0);
   splits(g);
-  // Measured 2026-12-03 (bench/NOTES.md): deepseek_v3_ep8 T=1 48.8 -> 45.8 us; on layers where most tiles have
-  // rows it ranged 0.97-1.08 (kimi_k3_tp8 T=8 1.077), so it is kept to grids of mostly empty tiles.
+  // The tiles with rows first (GemmProblem::m_last), measured 2026-12-03 (bench/NOTES.md): deepseek_v3_ep8 T=1
+  // 48.7 -> 45.9 us; on every grid it ranged 0.94-1.08 (kimi_k3_tp8 T=8 1.077), so it is kept to grids of mostly
+  // empty tiles.
   p.gemm_m_last = p.max_m_tiles > 0 && 2 * p.split_m_tiles <= p.max_m_tiles;
   const int64_t tile_info_tiles = std::max(p.max_m_tiles, m_tiles_of(g0));
   p.gemm_smem = static_cast<size_t>(gemm_smem_bytes(g, s.format == WeightFormat::NVFP4));
