@@ -163,12 +163,13 @@ MoePlan make_plan(const ProblemShape& shape) {
   // the work; the others exit at once): deepseek_v3_ep8 (32 of 256 experts) at T=1 has room for nine m tiles and
   // fills one. On the other layers counting the expected tiles gained nothing and cost qwen3_30b_a3b_tp4 5 % at
   // T=64 (bench/NOTES.md). Only the one-block permutation's chunks split (at most kOneBlockPermEntries rows).
-  auto split_m_tiles_of = [&](const GemmConfig& c) {
+  // m_tiles: the bound, m_tiles_of(c).
+  auto split_m_tiles_of = [&](const GemmConfig& c, int64_t m_tiles) {
     const bool loose = s.E_loc < s.E_total || s.E_total <= kFewExperts;
-    if (!loose || p.rows == 0 || p.rows > kOneBlockPermEntries) return m_tiles_of(c);
+    if (!loose || p.rows == 0 || p.rows > kOneBlockPermEntries) return m_tiles;
     const double e = expected_m_tiles(p.chunk_tokens, k, s.E_loc, s.E_total, c.bm);
-    if (e < 0.0) return m_tiles_of(c);
-    return std::clamp<int64_t>(static_cast<int64_t>(std::ceil(e - 1e-6)), 1, m_tiles_of(c));
+    if (e < 0.0) return m_tiles;
+    return std::clamp<int64_t>(static_cast<int64_t>(std::ceil(e - 1e-6)), 1, m_tiles);
   };
   // Bands of m tiles: without them a chunk whose token rows outgrow the L2 reads them from HBM again for every n
   // tile. Where the GEMM's token source (x for GEMM1, a for GEMM2) fits in L2 with room, one band.
@@ -203,7 +204,7 @@ MoePlan make_plan(const ProblemShape& shape) {
   };
   auto splits = [&](const GemmConfig& c) {
     const int64_t m = m_tiles_of(c), n1t = ceil_div(p.n1, c.bn), n2t = ceil_div(H, c.bn);
-    p.split_m_tiles = split_m_tiles_of(c);
+    p.split_m_tiles = split_m_tiles_of(c, m);
     p.split1 = split_of(c, m, p.split_m_tiles, n1t, p.k1_pad);
     p.split2 = split_of(c, m, p.split_m_tiles, n2t, p.k2_pad);
     if (s.has_shared) {

@@ -19,23 +19,6 @@ int64_t nvfp4_bytes_by_rows(int64_t N, int64_t K) {
   return b;
 }
 
-// The plan a bench case reports is make_plan's, field for field (deepseek_v3_ep8 at T=1 on the H200's description:
-// the 8-row tile, nine m tiles of room, split-K chosen for the one the local entry fills).
-TEST(BenchCounting, PlanChoiceIsThePlans) {
-  ProblemShape s;
-  s.T = 1; s.H = 7168; s.I = 2048; s.E_loc = 32; s.E_total = 256; s.k = 8;
-  const MoePlan p = make_plan(s);
-  const bench::PlanChoice c = bench::plan_choice(p);
-  EXPECT_EQ(c.tile, "SplitKDecode");
-  EXPECT_EQ(c.chunks, 1);
-  EXPECT_EQ(c.max_m_tiles, 9);
-  EXPECT_EQ(c.split_m_tiles, 1);
-  EXPECT_EQ(c.split1, p.split1);
-  EXPECT_EQ(c.split2, p.split2);
-  EXPECT_GT(c.split1, 1);
-  EXPECT_TRUE(c.m_last);
-}
-
 TEST(BenchCounting, ExpertBytesMatchRowSums) {
   for (const auto& s : kModelShapes) {
     const bool gated = is_gated(s.activation);

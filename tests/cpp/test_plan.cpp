@@ -365,8 +365,11 @@ TEST(Plan, SplitCountsTheExpectedTiles) {
   ProblemShape s;
   s.T = 1; s.H = 7168; s.I = 2048; s.E_loc = 32; s.E_total = 256; s.k = 8;
   const MoePlan ep = make_plan(s);
+  EXPECT_EQ(ep.gemm_config, static_cast<int>(GemmTile::SplitKDecode));
+  EXPECT_EQ(ep.num_chunks, 1);
   EXPECT_EQ(ep.max_m_tiles, 9);
   EXPECT_EQ(ep.split_m_tiles, 1);
+  EXPECT_GT(ep.split1, 1);
   EXPECT_TRUE(ep.gemm_m_last);  // its tiles with rows first
   s.E_total = 32;  // the rank's experts are the whole layer
   const MoePlan all = make_plan(s);

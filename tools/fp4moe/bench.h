@@ -13,7 +13,6 @@
 
 #include "fp4moe/model_shapes.h"
 #include "fp4moe/types.h"
-#include "runtime/plan.h"
 
 namespace fp4moe {
 
@@ -285,27 +284,6 @@ inline std::vector<LoraCase> parse_lora_cases(const std::string& s) {
     out.push_back(*found);
   }
   return out;
-}
-
-// What make_plan chose for a case (the backend's plan of the same call), reported beside its time: the GEMM tile,
-// the chunks, the routed grids' m tiles (the bound and the count the split-K choice made for), the splits of K, and
-// whether the grids run the tiles with rows first.
-struct PlanChoice {
-  std::string tile;
-  int64_t chunks = 0, max_m_tiles = 0, split_m_tiles = 0;
-  int split1 = 1, split2 = 1;
-  bool m_last = false;
-};
-inline PlanChoice plan_choice(const MoePlan& p) {
-  PlanChoice c;
-  c.tile = to_string(static_cast<GemmTile>(p.gemm_config));
-  c.chunks = p.num_chunks;
-  c.max_m_tiles = p.max_m_tiles;
-  c.split_m_tiles = p.split_m_tiles;
-  c.split1 = p.split1;
-  c.split2 = p.split2;
-  c.m_last = p.gemm_m_last;
-  return c;
 }
 
 }  // namespace bench

@@ -144,8 +144,8 @@ CaseResult run_case(Device& d, ShapeCtx& c, const Pools& pools, int64_t T, std::
       check_device_errors(d.id);
       // The plan the backend made of these calls (problem_shape + make_plan, as cuda_backend::run does; every
       // adapter here has rank kLoraRank).
-      r.plan = bench::plan_choice(make_plan(problem_shape(c.w.impl(), args[0], lora.has_value(), lora ? kLoraRank : 0,
-                                                          cuda_backend::device_desc(d.id))));
+      r.plan = make_plan(problem_shape(c.w.impl(), args[0], lora.has_value(), lora ? kLoraRank : 0,
+                                       cuda_backend::device_desc(d.id)));
       break;
     } catch (const Error& e) {
       (void)cudaGetLastError();

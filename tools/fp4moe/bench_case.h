@@ -14,6 +14,7 @@
 #include "bench_options.h"
 #include "common/parallel_for.h"
 #include "fp4moe/moe.h"
+#include "runtime/plan.h"
 
 namespace fp4moe::bench {
 
@@ -33,7 +34,7 @@ struct CaseResult {
   double weight_bytes = 0, lora_bytes = 0, io = 0, flops = 0;
   bench::Metrics m;
   std::string output_check;
-  bench::PlanChoice plan;  // make_plan of the call on the case's device
+  MoePlan plan;  // make_plan of the call on the case's device (the JSON reports its tile, chunks, m tiles, splits)
 };
 
 // Random N(0, 1) values in parallel chunks (each chunk its own seed: deterministic for a given n).

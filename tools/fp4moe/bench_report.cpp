@@ -68,9 +68,10 @@ std::string case_json(const CaseResult& r) {
     o.add("floor_us", jnum(r.m.floor_us)).add("time_over_floor", jnum(r.m.time_over_floor));
     o.add("output_check", json::quote(r.output_check));
     JObj plan;
-    plan.add("tile", json::quote(r.plan.tile)).add("chunks", jint(r.plan.chunks));
-    plan.add("max_m_tiles", jint(r.plan.max_m_tiles)).add("split_m_tiles", jint(r.plan.split_m_tiles));
-    plan.add("split1", jint(r.plan.split1)).add("split2", jint(r.plan.split2)).add("m_last", jbool(r.plan.m_last));
+    plan.add("tile", json::quote(to_string(static_cast<GemmTile>(r.plan.gemm_config))));
+    plan.add("chunks", jint(r.plan.num_chunks)).add("max_m_tiles", jint(r.plan.max_m_tiles));
+    plan.add("split_m_tiles", jint(r.plan.split_m_tiles)).add("split1", jint(r.plan.split1));
+    plan.add("split2", jint(r.plan.split2)).add("m_last", jbool(r.plan.gemm_m_last));
     o.add("plan", plan.dump());
   }
   return o.dump();
