@@ -13,24 +13,6 @@
 namespace fp4moe::cuda_backend {
 namespace {
 
-// "a ranks before b" of the reference: higher first, NaN below every number, ties to the lower id.
-__device__ __forceinline__ bool ranks_before(float sa, int ia, float sb, int ib) {
-  const bool na = isnan(sa), nb = isnan(sb);
-  if (na != nb) return nb;
-  if (!na && sa != sb) return sa > sb;
-  return ia < ib;
-}
-
-// Warp-wide best (score, id) by ranks_before; id < 0 means "none". Every lane gets the result.
-__device__ __forceinline__ void warp_best(float& s, int& id) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) {
-    const float so = __shfl_xor_sync(0xffffffffu, s, off);
-    const int io = __shfl_xor_sync(0xffffffffu, id, off);
-    if (io >= 0 && (id < 0 || ranks_before(so, io, s, id))) { s = so; id = io; }
-  }
-}
-
 // Records winner bi of round j in the slot registers (slot j lives on lane j % 32).
 __device__ __forceinline__ void record_slot(int j, int bi, int my_id[2]) {
   if ((threadIdx.x & 31) != (j & 31)) return;
@@ -38,8 +20,8 @@ __device__ __forceinline__ void record_slot(int j, int bi, int my_id[2]) {
   else my_id[1] = bi;
 }
 
-// The order of ranks_before over scores as an unsigned key (higher first): NaN ranks below every number
-// (key 1), -0 ties with +0, key 0 = no candidate. Equal keys fall back to the lower id, as ranks_before.
+// The reference's ranking of scores as an unsigned key (higher first): NaN ranks below every number (key 1), -0 ties
+// with +0, key 0 = no candidate. Equal keys fall back to the lower id, as in the reference.
 __device__ __forceinline__ uint32_t rank_key(float s) {
   if (isnan(s)) return 1u;
   const uint32_t u = __float_as_uint(s == 0.f ? 0.f : s);
@@ -105,15 +87,15 @@ __device__ __forceinline__ float read_logit(const RoutingParams& p, int t, int e
                        : static_cast<const float*>(p.logits)[off];
 }
 
-// One token's routing on one warp: sel[E] (scores), keys[E] (the bias first, then the top-k keys), gsc[64] (group
-// scores), all in this warp's shared memory. Written as rolled loops over shared memory on purpose: at T = 1 this
+// One token's routing on one warp: sel[E] (scores) and keys[E] (the bias first, then the top-k keys), both in this
+// warp's shared memory. Written as rolled loops over shared memory on purpose: at T = 1 this
 // kernel is a single warp whose time follows the code it runs through, not its instruction count (ncu, H200,
 // kimi_k3_tp8: "no instruction" stalls ~64 % of the cycles; the fully unrolled register version with fewer
 // instructions but more code ran 12 -> 17 us).
 // M: the routing method, a template argument so that each method's kernel holds only its own code (a T = 1 call is
 // one warp fetching its instructions cold: the branches of the other methods were code it jumped over).
 template <RoutingMethod M>
-__device__ __forceinline__ void route_token(const RoutingParams& p, int t, float* sel, uint32_t* keys, float* gsc) {
+__device__ __forceinline__ void route_token(const RoutingParams& p, int t, float* sel, uint32_t* keys) {
   const int lane = threadIdx.x & 31;
   const int E = p.E, k = p.k;
   constexpr RoutingMethod method = M;
@@ -174,38 +156,66 @@ __device__ __forceinline__ void route_token(const RoutingParams& p, int t, float
   __syncwarp();
 
   // Candidates: all experts, or those of the best topk_group groups (DeepSeekV3, n_group > 1).
-  uint64_t kept = ~uint64_t(0);
-  int gs = E;
   if (method == RoutingMethod::DeepSeekV3 && p.n_group > 1) {
-    const int G = p.n_group;
-    gs = E / G;
-    for (int g = lane; g < G; g += 32) {
-      int b0 = -1, b1 = -1;
-      for (int e = g * gs; e < (g + 1) * gs; ++e) {
-        if (b0 < 0 || ranks_before(sel[e], e, sel[b0], b0)) { b1 = b0; b0 = e; }
-        else if (b1 < 0 || ranks_before(sel[e], e, sel[b1], b1)) { b1 = e; }
+    // One group at a time over the whole warp (lane l holds the group's experts l, l + 32, ...): its two best by
+    // rank_key in two warp reductions, where one lane scanning a group was a serial chain of shared loads. The
+    // group's keys are written as they are made; those of the groups not kept are zeroed below.
+    const int G = p.n_group, gs = E / G;
+    uint32_t gkey[2] = {0u, 0u};  // lane l: the score keys of groups l and l + 32 (G <= 64)
+#pragma unroll 1
+    for (int g = 0; g < G; ++g) {
+      const int base = g * gs;
+      uint32_t k0 = 0, k1 = 0;  // this lane's two best keys in the group (0: none), the lower expert first on ties
+      int e0 = 0, e1 = 0;
+#pragma unroll 1
+      for (int e = base + lane; e < base + gs; e += 32) {
+        const uint32_t kk = rank_key(sel[e]);
+        keys[e] = kk;
+        const bool g0 = kk > k0, g1 = kk > k1;
+        k1 = g0 ? k0 : (g1 ? kk : k1);
+        e1 = g0 ? e0 : (g1 ? e : e1);
+        k0 = g0 ? kk : k0;
+        e0 = g0 ? e : e0;
       }
-      gsc[g] = sel[b0] + sel[b1];
+      int best[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {  // gs >= 2 (validated): both rounds find an expert
+        const uint32_t bk = __reduce_max_sync(0xffffffffu, k0);
+        best[r] = static_cast<int>(0xffffu - __reduce_max_sync(0xffffffffu, k0 == bk ? 0xffffu - static_cast<uint32_t>(e0) : 0u));
+        if (((best[r] - base) & 31) == lane) { k0 = k1; e0 = e1; k1 = 0; }
+      }
+      const uint32_t sk = rank_key(sel[best[0]] + sel[best[1]]);
+      if ((g & 31) == lane) {
+        if (g < 32) gkey[0] = sk;  // static indices: gkey stays in registers
+        else gkey[1] = sk;
+      }
+    }
+    uint64_t kept = 0;
+#pragma unroll 1
+    for (int q = 0; q < p.topk_group; ++q) {  // the best group left: highest key, the lower group id on ties
+      const bool hi = gkey[1] > gkey[0];
+      const uint32_t mk = hi ? gkey[1] : gkey[0];
+      const uint32_t bk = __reduce_max_sync(0xffffffffu, mk);
+      const int mg = lane + (hi ? 32 : 0);
+      const int bg = static_cast<int>(0xffffu - __reduce_max_sync(0xffffffffu, mk == bk ? 0xffffu - static_cast<uint32_t>(mg) : 0u));
+      if ((bg & 31) == lane) {
+        if (bg < 32) gkey[0] = 0u;
+        else gkey[1] = 0u;
+      }
+      kept |= uint64_t(1) << bg;
     }
     __syncwarp();
-    kept = 0;
-    for (int q = 0; q < p.topk_group; ++q) {
-      float bs = 0.f;
-      int bi = -1;
-      for (int g = lane; g < G; g += 32)
-        if (!((kept >> g) & 1) && (bi < 0 || ranks_before(gsc[g], g, bs, bi))) { bs = gsc[g]; bi = g; }
-      warp_best(bs, bi);
-      kept |= uint64_t(1) << bi;
-    }
-  }
-  __syncwarp();  // the bias in keys[] has been read
-  if (kept == ~uint64_t(0)) {  // no group limit: no integer division a candidate (a third of the loop's code)
 #pragma unroll 1
-    for (int e = lane; e < E; e += 32) keys[e] = rank_key(sel[e]);
+    for (int g = 0; g < G; ++g) {
+      if ((kept >> g) & 1) continue;
+#pragma unroll 1
+      for (int e = g * gs + lane; e < (g + 1) * gs; e += 32) keys[e] = 0u;
+    }
   } else {
 #pragma unroll 1
-    for (int e = lane; e < E; e += 32) keys[e] = ((kept >> (e / gs)) & 1) ? rank_key(sel[e]) : 0u;
+    for (int e = lane; e < E; e += 32) keys[e] = rank_key(sel[e]);
   }
+  __syncwarp();
 
   // Top-k: lane l keeps the ids of slots l and l + 32 (k <= 64) in registers, so the weights below never read them
   // back from memory.
@@ -226,6 +236,7 @@ __device__ __forceinline__ void route_token(const RoutingParams& p, int t, float
   }
   auto slot_sum = [&](const float x[2]) {  // sum over slots 0, 1, ..., k-1 of x, left to right
     float acc = 0.f;
+#pragma unroll 1
     for (int j = 0; j < k; ++j) acc += __shfl_sync(0xffffffffu, j < 32 ? x[0] : x[1], j & 31);
     return acc;
   };
@@ -278,7 +289,7 @@ template <RoutingMethod M> __global__ void routing_kernel(RoutingParams p) {
   const int t = blockIdx.x * (blockDim.x >> 5) + warp;
   if (t >= p.T) return;
   float* sel = smem + warp * routing_floats_per_warp(p.E);
-  route_token<M>(p, t, sel, reinterpret_cast<uint32_t*>(sel + p.E), sel + 2 * p.E);
+  route_token<M>(p, t, sel, reinterpret_cast<uint32_t*>(sel + p.E));
 }
 
 template <RoutingMethod M> void launch_routing_as(const RoutingParams& p, int warps_per_block, size_t smem,

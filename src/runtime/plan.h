@@ -168,9 +168,9 @@ constexpr int64_t kDefaultWorkspaceBudget = int64_t(4) << 30;
 constexpr int64_t kMaxTopK = 64;
 constexpr int64_t kMaxExpertsRouting = 4096;  // logits width the routing kernel keeps in shared memory
 constexpr int64_t kMaxLocalExperts = 4096;    // per-block expert counters and the scan in shared memory
-constexpr int64_t kMaxGroups = 64;
-// Shared-memory floats of one routing warp (src/cuda/routing.cu): scores [E], top-k keys [E], group scores.
-constexpr int64_t routing_floats_per_warp(int E) { return 2 * E + kMaxGroups; }
+constexpr int64_t kMaxGroups = 64;            // group scores: two registers a routing lane
+// Shared-memory floats of one routing warp (src/cuda/routing.cu): scores [E], top-k keys [E].
+constexpr int64_t routing_floats_per_warp(int E) { return 2 * E; }
 constexpr int64_t kMaxTokens = int64_t(1) << 30;
 constexpr int64_t kMaxHidden = int64_t(1) << 20;  // H, I: keeps every per-row index inside int32
 constexpr int64_t kMaxLoraRank = 64;              // an adapter's r (SPEC §5)

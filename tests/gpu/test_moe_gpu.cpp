@@ -323,13 +323,17 @@ TEST(GpuRandomShapes, TwoHundred) {
 
 // ---- the routing top-k where random logits do not reach: winners clustered on one lane (each lane caches its
 // best three candidates; a fourth win makes the warp rescan), exact ties within and across lanes (the lower id
-// first), every E up to 2048 and k up to 64, against the reference's selection through the whole layer ----------
+// first) and across expert groups, every E up to 2048 and k up to 64, against the reference's selection through
+// the whole layer ----------
 TEST(GpuRandomShapes, RoutingClusteredWinnersAndTies) {
   FP4MOE_SKIP_WITHOUT_GPU();
   struct R { RoutingMethod method; int64_t E, k, n_group, topk_group; bool random_bias; };  // else a zero bias
   const R rs[] = {{RoutingMethod::RenormalizeNaive, 256, 32, 1, 1, false}, {RoutingMethod::DeepSeekV3, 256, 8, 8, 4, true},
                   {RoutingMethod::DeepSeekV3, 384, 24, 1, 1, false},     {RoutingMethod::TopK, 1024, 40, 1, 1, false},
-                  {RoutingMethod::Sigmoid, 2048, 64, 1, 1, false},       {RoutingMethod::Default, 100, 64, 1, 1, false}};
+                  {RoutingMethod::Sigmoid, 2048, 64, 1, 1, false},       {RoutingMethod::Default, 100, 64, 1, 1, false},
+                  // groups of 32, 40 and 8 experts with tied group scores (the lower group id first), 64 groups
+                  {RoutingMethod::DeepSeekV3, 256, 8, 8, 4, false},      {RoutingMethod::DeepSeekV3, 160, 8, 4, 2, false},
+                  {RoutingMethod::DeepSeekV3, 64, 6, 8, 3, false},       {RoutingMethod::DeepSeekV3, 2048, 16, 64, 5, false}};
   int n = 0;
   for (const R& r : rs) {
     Case c;
