@@ -130,10 +130,10 @@ MoePlan make_plan(const ProblemShape& shape) {
   p.perm_blocks = ceil_div(p.rows, p.perm_entries);
   p.perm_smem = static_cast<size_t>(s.E_loc * 4);
 
-  // GEMM tile: by the expected rows per expert. Any choice gives the same bits (every tile follows the same K
-  // order), so it may depend on T without breaking batch invariance. Measurements behind each threshold:
-  // bench/NOTES.md, "Plan choices".
-  const int64_t avg_rows = ceil_div(p.rows, s.E_loc);
+  // GEMM tile: by the expected rows per expert, rows / E_total (under EP a local expert expects the share of any
+  // other). Any choice gives the same bits (every tile follows the same K order), so it may depend on T without
+  // breaking batch invariance. Measurements behind each threshold: bench/NOTES.md, "Plan choices".
+  const int64_t avg_rows = ceil_div(p.rows, s.E_total);
   // sm_90a: the wgmma tile from 32 expected rows a local expert (rows / E_total under EP); with LoRA on thin
   // experts (I <= 768) from 80, below which its per-adapter epilogue passes cost more than its wider MMA saves.
   const bool lora_thin = s.has_lora && s.I <= 768 && p.rows < 80 * s.E_total;
