@@ -365,6 +365,36 @@ TEST(GpuRandomShapes, RoutingClusteredWinnersAndTies) {
   }
 }
 
+// ---- expert parallelism with every token routed to the rank: the plan expects few tiles with rows (split-K for
+// them, the m-last grid order) and the batch fills every local expert's ---------------------------------------
+TEST(GpuExpertParallel, EveryTokenOnTheRank) {
+  FP4MOE_SKIP_WITHOUT_GPU();
+  int n = 0;
+  for (int64_t T : {4, 20}) {
+    Case c;
+    c.shape = model("qwen3_30b_a3b");
+    c.shape.routing = RoutingMethod::Default;
+    c.E_loc = 8;
+    c.E_total = 256;
+    c.offset = 16;
+    c.T = T;
+    c.check_tokens = c.T;
+    c.seed = 7300 + n++;
+    const MoePlan p = make_plan(problem_shape(c));
+    ASSERT_EQ(c.shape.k, c.E_loc);  // so each local expert gets every token
+    const int64_t filled = c.E_loc * ((T + p.gemm.bm - 1) / p.gemm.bm);
+    ASSERT_TRUE(p.gemm_m_last) << "T=" << T;
+    ASSERT_LT(2 * p.split_m_tiles, filled) << "T=" << T << ": the plan expects most of the filled tiles";
+    char label[64];
+    std::snprintf(label, sizeof label, "every token on the rank T=%lld", static_cast<long long>(T));
+    check_case(c, nullptr, label, true, [&](Inputs& in) {
+      for (int64_t t = 0; t < in.T; ++t)
+        for (int64_t e = c.offset; e < c.offset + c.E_loc; ++e) in.logits[t * in.E_total + e] += 8.f;
+    });
+    if (HasFailure()) return;
+  }
+}
+
 // ---- bad GPU-only values: out-of-range topk_ids set the error flag and are dropped ------------------
 TEST(GpuDeviceErrors, OutOfRangeIdsSetFlag) {
   FP4MOE_SKIP_WITHOUT_GPU();
