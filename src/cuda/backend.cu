@@ -269,6 +269,29 @@ void quantize_x(const Call& c, Chunk& ch) {
   ch.a_in = c.b.x_q;
 }
 
+// The permutation's parameters: rows in (expert, token, slot) order, the tile list; with LoRA, rows ordered by
+// adapter (permute).
+PermuteParams permute_params(const Call& c, const Chunk& ch) {
+  PermuteParams pp;
+  pp.ids = ch.ids;
+  pp.rows = ch.rows;
+  pp.E_total = static_cast<int>(c.s.E_total);
+  pp.E_loc = static_cast<int>(c.w.E);
+  pp.local_offset = c.local_offset();
+  pp.entries_per_block = c.plan.perm_entries;
+  pp.num_blocks = static_cast<int>((ch.rows + c.plan.perm_entries - 1) / c.plan.perm_entries);
+  pp.bm = c.plan.gemm.bm;
+  pp.max_tiles = static_cast<int>(c.plan.max_m_tiles);
+  pp.block_counts = c.b.block_counts;
+  pp.expert_offsets = c.b.expert_offsets;
+  pp.tile_info = c.b.tile_info;
+  pp.row_entry = c.b.row_entry;
+  pp.error_flag = c.err;
+  pp.zero_counters = c.b.split_counters;
+  pp.num_counters = static_cast<int>(c.plan.split_counters.bytes / 4);
+  return pp;
+}
+
 // 2b. LoRA: each token's slot (checked) and the shrink of the bf16 x (also in A4; with plan.lora_shrink_tiled the
 // routed per-expert part runs after the permutation).
 void lora_shrink_x(const Call& c, const Chunk& ch) {
@@ -294,29 +317,14 @@ void lora_shrink_x(const Call& c, const Chunk& ch) {
   lp.st1 = c.b.lora_st1;
   lp.st_stride = static_cast<int>(c.plan.lora_r2_stride);
   lp.error_flag = c.err;
-  launch_lora_shrink1(lp, c.plan.lora_shrink1_threads, c.stream);
+  const PermuteParams pp = permute_params(c, ch);
+  launch_lora_shrink1(lp, c.plan.lora_shrink1_threads, c.plan.lora_shrink1_permutes ? &pp : nullptr, c.stream);
 }
 
-// 3. Permutation: rows in (expert, token, slot) order, the tile list; with LoRA, rows ordered by adapter.
+// 3. Permutation (launched by permute, or with the x shrink: plan.lora_shrink1_permutes).
 void permute(const Call& c, const Chunk& ch) {
-  PermuteParams pp;
-  pp.ids = ch.ids;
-  pp.rows = ch.rows;
-  pp.E_total = static_cast<int>(c.s.E_total);
-  pp.E_loc = static_cast<int>(c.w.E);
-  pp.local_offset = c.local_offset();
-  pp.entries_per_block = c.plan.perm_entries;
-  pp.num_blocks = static_cast<int>((ch.rows + c.plan.perm_entries - 1) / c.plan.perm_entries);
-  pp.bm = c.plan.gemm.bm;
-  pp.max_tiles = static_cast<int>(c.plan.max_m_tiles);
-  pp.block_counts = c.b.block_counts;
-  pp.expert_offsets = c.b.expert_offsets;
-  pp.tile_info = c.b.tile_info;
-  pp.row_entry = c.b.row_entry;
-  pp.error_flag = c.err;
-  pp.zero_counters = c.b.split_counters;
-  pp.num_counters = static_cast<int>(c.plan.split_counters.bytes / 4);
-  launch_permute(pp, c.stream);
+  PermuteParams pp = permute_params(c, ch);
+  if (!(c.lora && c.plan.lora_shrink1_permutes)) launch_permute(pp, c.stream);  // else in the x shrink's launch
   if (c.lora && ch.rows > c.w.E) {  // more rows than experts: tiles with several tokens, worth grouping by adapter
     pp.token_slot = c.b.lora_slot;
     pp.k = c.k();

@@ -306,7 +306,8 @@ void launch_gemm2(int config, WeightFormat fmt, const GemmProblem& g, const Epil
                   int m_tiles, cudaStream_t stream);
 void launch_quantize(const QuantizeParams& p, cudaStream_t stream);
 void launch_combine(const CombineParams& p, cudaStream_t stream);
-void launch_lora_shrink1(const LoraShrink1Params& p, int threads, cudaStream_t stream);
+// permute: the chunk's one-block permutation to run in the same launch (plan.lora_shrink1_permutes), or null.
+void launch_lora_shrink1(const LoraShrink1Params& p, int threads, const PermuteParams* permute, cudaStream_t stream);
 void launch_lora_shrink_tiled(const LoraTiledShrinkParams& p, cudaStream_t stream);
 void launch_lora_shrink2(const LoraShrink2Params& p, int threads, cudaStream_t stream);
 

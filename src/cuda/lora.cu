@@ -18,6 +18,7 @@
 #include "cuda/mma.cuh"
 #include "cuda/nvfp4_device.cuh"
 #include "cuda/pdl.cuh"
+#include "cuda/permute_one_block.cuh"
 
 namespace fp4moe::cuda_backend {
 namespace {
@@ -157,10 +158,24 @@ struct Shrink1Item {
 // for a shared A1) then the shared expert's. Block y = 0 of each token also resolves and publishes its slot.
 // Up to 512 threads (plan.lora_shrink1_threads: a warp a K chunk, at most 16): left to itself ptxas took 134
 // registers, and 448-thread launches failed on the H200 (cudaErrorLaunchOutOfResources, deepseek_v3_ep8).
-__global__ void __launch_bounds__(512) lora_shrink1_kernel(LoraShrink1Params p) {
+// PERMUTE (plan.lora_shrink1_permutes): grid row 0 is the chunk's one-block permutation in block (0, 0), the items
+// follow from row 1. Both need only the routing, so in one launch they run side by side, where in two the
+// permutation waited for the whole shrink.
+template <bool PERMUTE>
+__global__ void __launch_bounds__(512) lora_shrink1_kernel(LoraShrink1Params p, PermuteParams pp) {
   __shared__ float4 part[kUnits][32][1];
   __shared__ Shrink1Item s_item;
-  const int t = static_cast<int>(blockIdx.x), y = static_cast<int>(blockIdx.y);
+  const int t = static_cast<int>(blockIdx.x);
+  int y = static_cast<int>(blockIdx.y);
+  if constexpr (PERMUTE) {
+    if (y == 0) {
+      dev::pdl_wait();
+      dev::pdl_launch_dependents();
+      if (t == 0) perm::one_block(pp);
+      return;
+    }
+    --y;
+  }
   // Before the wait when another kernel of the call ran first: the slot, from the call's adapter_ids and the slot
   // table (written before the chain).
   if (!p.slots_before_wait) dev::pdl_wait();
@@ -337,10 +352,15 @@ __global__ void __launch_bounds__(512) lora_shrink2_kernel(LoraShrink2Params p) 
 
 }  // namespace
 
-void launch_lora_shrink1(const LoraShrink1Params& p, int threads, cudaStream_t stream) {
+void launch_lora_shrink1(const LoraShrink1Params& p, int threads, const PermuteParams* permute, cudaStream_t stream) {
   if (p.T <= 0) return;
-  launch_pdl(lora_shrink1_kernel, dim3(static_cast<unsigned>(p.T), static_cast<unsigned>(p.max_items)), dim3(threads), 0,
-             stream, "lora_shrink1_kernel", p);
+  const unsigned items = static_cast<unsigned>(p.max_items) + (permute ? 1u : 0u);
+  if (permute)
+    launch_pdl(lora_shrink1_kernel<true>, dim3(static_cast<unsigned>(p.T), items), dim3(threads), 0, stream,
+               "lora_shrink1_kernel", p, *permute);
+  else
+    launch_pdl(lora_shrink1_kernel<false>, dim3(static_cast<unsigned>(p.T), items), dim3(threads), 0, stream,
+               "lora_shrink1_kernel", p, PermuteParams{});
 }
 
 void launch_lora_shrink_tiled(const LoraTiledShrinkParams& p, cudaStream_t stream) {

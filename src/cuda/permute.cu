@@ -3,7 +3,8 @@
 //   2. scan (one block): per expert, exclusive prefix over blocks; expert offsets; the tile list;
 //   3. place: each block walks its entries in order and gives entry i of expert e the next row of e,
 //      so rows of an expert are in (token, slot) order whatever the scheduling.
-// A chunk of one block's entries runs the three steps in one kernel (permute_one_block_kernel).
+// A chunk of one block's entries runs the three steps in one kernel (permute_one_block_kernel; with LoRA at decode,
+// a block of the x shrink's kernel: permute_one_block.cuh).
 // With LoRA, order_by_adapter_kernel then sorts each expert's rows by (adapter slot, entry), so that a GEMM tile's
 // 8- or 16-row fragments hold few adapters (the epilogue's expand makes one pass per adapter of a fragment). A row's
 // result does not depend on its position, so the order changes no bits.
@@ -12,17 +13,14 @@
 
 #include "cuda/kernels.h"
 #include "cuda/pdl.cuh"
+#include "cuda/permute_one_block.cuh"
 
 namespace fp4moe::cuda_backend {
 namespace {
 
-// Local expert of entry i, -1 when the expert is another rank's; -2 when the id is out of range.
-__device__ __forceinline__ int local_expert(const PermuteParams& p, int i) {
-  const int id = p.ids[i];
-  if (id < 0 || id >= p.E_total) return -2;
-  const int e = id - p.local_offset;
-  return (e >= 0 && e < p.E_loc) ? e : -1;
-}
+using perm::local_expert;
+using perm::offsets_and_tiles;
+using perm::place_entries;
 
 __global__ void count_kernel(PermuteParams p) {
   dev::pdl_wait();
@@ -46,95 +44,6 @@ __global__ void count_kernel(PermuteParams p) {
 }
 
 constexpr int kScanThreads = 1024;
-
-// Exclusive scan of v over the block (thread order); returns the total.
-__device__ int block_exclusive_scan(int& v) {
-  __shared__ int warp_tot[32];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  int x = v;
-#pragma unroll
-  for (int off = 1; off < 32; off <<= 1) {
-    const int y = __shfl_up_sync(0xffffffffu, x, off);
-    if (lane >= off) x += y;
-  }
-  if (lane == 31) warp_tot[warp] = x;
-  __syncthreads();
-  if (warp == 0) {
-    int w = lane < (blockDim.x >> 5) ? warp_tot[lane] : 0;
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-      const int y = __shfl_up_sync(0xffffffffu, w, off);
-      if (lane >= off) w += y;
-    }
-    warp_tot[lane] = w;  // inclusive
-  }
-  __syncthreads();
-  const int before = (warp > 0 ? warp_tot[warp - 1] : 0) + x - v;
-  const int total = warp_tot[(blockDim.x >> 5) - 1];
-  __syncthreads();
-  v = before;
-  return total;
-}
-
-// From the rows of each expert (offs[e], e < E_loc): offs becomes the experts' exclusive row offsets (offs[E] the
-// total), written to expert_offsets with the tile list. Every thread of the block calls it.
-__device__ void offsets_and_tiles(const PermuteParams& p, int* offs, int* toffs) {
-  const int E = p.E_loc;
-  // Scan over experts: each thread a contiguous segment.
-  const int seg = (E + blockDim.x - 1) / blockDim.x;
-  const int lo = min(E, static_cast<int>(threadIdx.x) * seg), hi = min(E, lo + seg);
-  int rows = 0, tiles = 0;
-  for (int e = lo; e < hi; ++e) { rows += offs[e]; tiles += (offs[e] + p.bm - 1) / p.bm; }
-  const int total_rows = block_exclusive_scan(rows);
-  const int total_tiles = block_exclusive_scan(tiles);
-  for (int e = lo; e < hi; ++e) {
-    const int n = offs[e];
-    offs[e] = rows;
-    toffs[e] = tiles;
-    rows += n;
-    tiles += (n + p.bm - 1) / p.bm;
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) { offs[E] = total_rows; toffs[E] = total_tiles; }
-  __syncthreads();
-  for (int e = threadIdx.x; e <= E; e += blockDim.x) p.expert_offsets[e] = offs[e];
-  // The tile list: tile q belongs to the last expert whose tile offset is <= q.
-  const int ntiles = min(total_tiles, p.max_tiles);  // the plan guarantees total_tiles <= max_tiles
-  if (threadIdx.x == 0) {
-    p.tile_info[2 * p.max_tiles] = ntiles;
-    if (total_tiles > p.max_tiles) atomicExch(p.error_flag, 2);
-  }
-  for (int q = threadIdx.x; q < ntiles; q += blockDim.x) {
-    int a = 0, b = E - 1;
-    while (a < b) {  // last e with toffs[e] <= q; at most log2(E)+1 steps
-      const int mid = (a + b + 1) >> 1;
-      if (toffs[mid] <= q) a = mid; else b = mid - 1;
-    }
-    p.tile_info[2 * q] = a;
-    p.tile_info[2 * q + 1] = offs[a] + (q - toffs[a]) * p.bm;
-  }
-}
-
-// One warp gives entries [begin, end), in order, the next rows of their experts (next[e]: e's next row).
-// cached: the entries' local experts (local_expert) already in shared memory, or null.
-__device__ void place_entries(const PermuteParams& p, int* next, int begin, int end, const int16_t* cached) {
-  const int lane = threadIdx.x & 31;
-  const unsigned lt = (1u << lane) - 1u;
-  for (int i0 = begin; i0 < end; i0 += 32) {
-    const int i = i0 + lane;
-    const int e = i < end ? (cached ? cached[i] : local_expert(p, i)) : -1;
-    const int key = e >= 0 ? e : -1;
-    const unsigned peers = __match_any_sync(0xffffffffu, key);
-    int pos = 0;
-    if (key >= 0) pos = next[key] + __popc(peers & lt);
-    __syncwarp();
-    if (key >= 0) {
-      p.row_entry[pos] = i;
-      if ((peers >> lane) == 1u) next[key] += __popc(peers);  // the highest lane of the group advances it
-    }
-    __syncwarp();
-  }
-}
 
 __global__ void __launch_bounds__(kScanThreads) scan_kernel(PermuteParams p) {
   dev::pdl_wait();
@@ -164,30 +73,10 @@ __global__ void __launch_bounds__(kScanThreads) scan_kernel(PermuteParams p) {
   offsets_and_tiles(p, offs, toffs);
 }
 
-// All of count, scan and place in one block, for a chunk of at most kOneBlockPermEntries entries (plan.h; decode
-// and small batches, where three launches cost more than the work). The entries' experts are read once, into
-// shared memory, for warp 0's in-order placement (a global read a step made it a row of memory latencies).
 __global__ void __launch_bounds__(kScanThreads) permute_one_block_kernel(PermuteParams p) {
   dev::pdl_wait();
   dev::pdl_launch_dependents();
-  __shared__ int offs[4097];
-  __shared__ int toffs[4097];
-  __shared__ int16_t s_exp[kOneBlockPermEntries];
-  for (int e = threadIdx.x; e < p.E_loc; e += blockDim.x) offs[e] = 0;
-  for (int c = threadIdx.x; c < p.num_counters; c += blockDim.x) p.zero_counters[c] = 0;
-  __syncthreads();
-  bool bad = false;
-  for (int i = threadIdx.x; i < p.rows; i += blockDim.x) {
-    const int e = local_expert(p, i);
-    if (i < kOneBlockPermEntries) s_exp[i] = static_cast<int16_t>(e);
-    if (e >= 0) atomicAdd(&offs[e], 1);  // integer counts: the result does not depend on the order
-    bad |= e == -2;
-  }
-  if (bad) atomicExch(p.error_flag, 1);
-  __syncthreads();
-  offsets_and_tiles(p, offs, toffs);
-  __syncthreads();  // the tile list has read offs; warp 0 now advances it as each expert's next row
-  if (threadIdx.x < 32) place_entries(p, offs, 0, p.rows, p.rows <= kOneBlockPermEntries ? s_exp : nullptr);
+  perm::one_block(p);
 }
 
 __global__ void place_kernel(PermuteParams p) {

@@ -277,6 +277,7 @@ MoePlan make_plan(const ProblemShape& shape) {
     // counting only this rank's share of the rows under EP (few tiles leave the tiled kernel too few warps).
     const int64_t local_rows = ceil_div(p.rows * s.E_loc, s.E_total);
     p.lora_shrink_tiled = ceil_div(local_rows, s.E_loc) >= 20 && ceil_div(local_rows, g.bm) + s.E_loc >= 300;
+    p.lora_shrink1_permutes = p.perm_blocks == 1 && p.rows <= kShrinkPermuteRows && s.E_loc <= 1024;
     p.lora_slot = L.take(Tc * 4);
     p.lora_t1 = L.take(R * p.lora_r1_stride * 4);
     p.lora_t2 = L.take(R * p.lora_r2_stride * 4);

@@ -144,6 +144,9 @@ struct MoePlan {
                                    // and many tiles (plan.cpp): one read of an adapter's A rows serves the tile's run
                                    // of rows with that adapter
   int lora_shrink2_threads = 0;   // shrink of a: one block per GEMM1 output row, warps over its (chunk, item) units
+  // The x shrink's launch runs the chunk's permutation in a block of its own (both wait only for the routing): at
+  // decode, where the permutation is one block of a few hundred entries (perm_blocks == 1, rows <= 256).
+  bool lora_shrink1_permutes = false;
   WorkspaceBuffer lora_slot;      // i32 [chunk]: each token's checked adapter slot (-1 = base or dropped)
   WorkspaceBuffer lora_t1;        // f32 [rows, 2R] by entry t*k + j (SharedOuter: row t*k for the token)
   WorkspaceBuffer lora_t2;        // f32 [rows, R] by entry
@@ -183,6 +186,8 @@ constexpr int64_t split_target_blocks(const DeviceDesc& d) { return int64_t(4) *
 // in-order placement; src/cuda/permute.cu), larger ones by three kernels over many blocks. (The placement is one
 // warp's serial walk: at 1024 entries 32 steps.)
 constexpr int64_t kOneBlockPermEntries = 1024;
+// LoRA at decode: the x shrink's launch also permutes a chunk of up to this many entries (MoePlan::lora_shrink1_permutes).
+constexpr int64_t kShrinkPermuteRows = 256;
 // A layer of at most this many experts (E_total) skips the 32-row mma.sync tile (make_plan's tile choice).
 constexpr int64_t kFewExperts = 16;
 

@@ -121,6 +121,10 @@ void check_plan(const ProblemShape& s, std::mt19937_64& rng) {
   if (T > 0) EXPECT_GE(p.split_m_tiles * g.bm, (p.rows * E / p.shape.E_total) - g.bm);
   if (E == p.shape.E_total && E > kFewExperts) EXPECT_EQ(p.split_m_tiles, p.max_m_tiles);
   EXPECT_EQ(p.gemm_m_last, p.max_m_tiles > 0 && 2 * p.split_m_tiles <= p.max_m_tiles);
+  // The x shrink's launch permutes only a one-block chunk of few entries, in a block of its size (a warp or more).
+  EXPECT_EQ(p.lora_shrink1_permutes,
+            p.shape.has_lora && p.perm_blocks == 1 && p.rows <= kShrinkPermuteRows && E <= 1024);
+  if (p.lora_shrink1_permutes) EXPECT_GE(p.lora_shrink1_threads, 32);
   struct SplitCase { int split; int64_t m_tiles, n_tiles, k_pad; };
   for (const SplitCase& c : {SplitCase{p.split1, p.split_m_tiles, p.n1_tiles, p.k1_pad},
                              SplitCase{p.split2, p.split_m_tiles, p.n2_tiles, p.k2_pad}}) {
