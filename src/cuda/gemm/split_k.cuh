@@ -26,18 +26,23 @@ template <class Cfg, int ACCS> struct SplitK {
     for (int a = 0; a < ACCS; ++a) dst[a] = make_float4(part[a][0], part[a][1], part[a][2], part[a][3]);
   }
   // In the tile's last block: acc = the sum of every chunk's sums in chunk order, true. In the others: false.
+  // The block's partial stores reach thread 0 through the barrier, and its fences around the count publish them and
+  // order the last block's reads (the pattern of a grid barrier): one thread fences, not every thread. The partials
+  // are read past L1 (__ldcg).
   __device__ __forceinline__ bool reduce_last(float (&acc)[ACCS][4]) const {
     __shared__ int last;
-    __threadfence();
     math_sync<Cfg>();
     if (threadIdx.x == 0) {
+      __threadfence();
       const int done = atomicAdd(g.counters + tile_lin, 1);
       last = done == g.split - 1;
-      if (last) g.counters[tile_lin] = 0;  // ready for the next call
+      if (last) {
+        g.counters[tile_lin] = 0;  // ready for the next call
+        __threadfence();
+      }
     }
     math_sync<Cfg>();
     if (!last) return false;
-    __threadfence();
     for (int c = 0; c < chunks; ++c) {
       const float4* src = partial_at(c);
 #pragma unroll
