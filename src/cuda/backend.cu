@@ -294,7 +294,8 @@ PermuteParams permute_params(const Call& c, const Chunk& ch) {
 
 // 2b. LoRA: each token's slot (checked) and the shrink of the bf16 x (also in A4; with plan.lora_shrink_tiled the
 // routed per-expert part runs after the permutation).
-void lora_shrink_x(const Call& c, const Chunk& ch) {
+// pp: the chunk's permutation, launched here too where the plan says so (plan.lora_shrink1_permutes).
+void lora_shrink_x(const Call& c, const Chunk& ch, const PermuteParams& pp) {
   LoraShrink1Params lp;
   lp.table = c.lora_table;
   lp.num_slots = static_cast<int>(c.adapters->size());
@@ -317,14 +318,12 @@ void lora_shrink_x(const Call& c, const Chunk& ch) {
   lp.st1 = c.b.lora_st1;
   lp.st_stride = static_cast<int>(c.plan.lora_r2_stride);
   lp.error_flag = c.err;
-  const PermuteParams pp = permute_params(c, ch);
   launch_lora_shrink1(lp, c.plan.lora_shrink1_threads, c.plan.lora_shrink1_permutes ? &pp : nullptr, c.stream);
 }
 
 // 3. Permutation (launched by permute, or with the x shrink: plan.lora_shrink1_permutes).
-void permute(const Call& c, const Chunk& ch) {
-  PermuteParams pp = permute_params(c, ch);
-  if (!(c.lora && c.plan.lora_shrink1_permutes)) launch_permute(pp, c.stream);  // else in the x shrink's launch
+void permute(const Call& c, const Chunk& ch, PermuteParams pp) {
+  if (!c.plan.lora_shrink1_permutes) launch_permute(pp, c.stream);  // else in the x shrink's launch (LoRA only)
   if (c.lora && ch.rows > c.w.E) {  // more rows than experts: tiles with several tokens, worth grouping by adapter
     pp.token_slot = c.b.lora_slot;
     pp.k = c.k();
@@ -495,8 +494,9 @@ void run_chunk(const Call& c, int64_t chunk) {
   ch.rows = static_cast<int>(ch.tc * c.s.k);
   route(c, ch);
   quantize_x(c, ch);
-  if (c.lora) lora_shrink_x(c, ch);
-  permute(c, ch);
+  const PermuteParams pp = permute_params(c, ch);
+  if (c.lora) lora_shrink_x(c, ch, pp);
+  permute(c, ch, pp);
   if (c.lora && c.plan.lora_shrink_tiled)
     lora_shrink_tiled(c, x_of(c, ch), true, c.s.H, kLoraGateUp, c.b.lora_t1, c.plan.lora_r1_stride);
   const GemmProblem g1 = gemm1(c, ch);

@@ -4,7 +4,6 @@
 // overlap).
 #pragma once
 #include "cuda/kernels.h"
-#include "cuda/pdl.cuh"
 
 namespace fp4moe::cuda_backend::perm {
 
