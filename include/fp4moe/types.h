@@ -41,6 +41,7 @@ enum class GemmTile : int32_t {
   WeightsAsA32 = 1,  // up to 32 tokens a tile, the weights as the mma A operand
   TokensAsA64 = 2,   // 64 tokens a tile, the tokens as the mma A operand
   Wgmma64 = 3,       // 64 tokens a tile, sm_90a wgmma with the decoded weights as its register A operand
+  WeightsAsA16 = 4,  // up to 16 tokens a tile, the weights as the mma A operand
 };
 const char* to_string(GemmTile t);
 

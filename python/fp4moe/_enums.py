@@ -81,6 +81,7 @@ class GemmTile(enum.IntEnum):
     WeightsAsA32 = 1   # up to 32 tokens a tile, weights as the mma A operand
     TokensAsA64 = 2    # 64 tokens a tile, tokens as the mma A operand
     Wgmma64 = 3        # 64 tokens a tile, sm_90a wgmma with the weights as register A
+    WeightsAsA16 = 4   # up to 16 tokens a tile, weights as the mma A operand
 
 
 # fp4moe::DType values (dtype hints passed to the extension).

@@ -191,13 +191,16 @@ constexpr int64_t kShrinkPermuteRows = 256;
 // A layer of at most this many experts (E_total) skips the 32-row mma.sync tile (make_plan's tile choice).
 constexpr int64_t kFewExperts = 16;
 
-constexpr int kNumGemmConfigs = 4;
+constexpr int kNumGemmConfigs = 5;
 inline constexpr GemmConfig kGemmConfigs[kNumGemmConfigs] = {
     {8, 128, 64, 1, 4, 8, true},   // decode: <= 8 rows per expert tile, 32 weight rows a warp, many bytes in flight
     {32, 128, 64, 1, 4, 6, true},  // up to 512 rows an expert (plan.cpp), in tiles of <= 32 rows
     {64, 128, 64, 2, 4, 3},        // more rows an expert (a 128-row tile ran 1 block an SM at 244 registers: slower)
     // sm_90a: two warpgroups, each 64 weight rows (register A) x the 64 tokens (shared B) with wgmma; two blocks an SM.
     {64, 128, 64, 1, 8, 4, true, true},
+    // 7-12 rows an expert (plan.cpp): the 8-row tile reads an expert's weights twice, the 32-row one is capped at
+    // 128 registers (four blocks an SM).
+    {16, 128, 64, 1, 4, 6, true},
     // (A 128-token wgmma tile with producer warps and one persistent block an SM was retired: with the tile bands
     // it was never faster than the one above; it is in git history up to revision 1ee7f89.)
 };

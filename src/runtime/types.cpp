@@ -45,6 +45,7 @@ const char* to_string(GemmTile t) {
     case GemmTile::WeightsAsA32: return "WeightsAsA32";
     case GemmTile::TokensAsA64: return "TokensAsA64";
     case GemmTile::Wgmma64: return "Wgmma64";
+    case GemmTile::WeightsAsA16: return "WeightsAsA16";
   }
   return "?";
 }

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <random>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "common/tile_order.h"
@@ -40,11 +41,13 @@ void check_plan(const ProblemShape& s, std::mt19937_64& rng) {
     EXPECT_EQ(pw.workspace_bytes, p.workspace_bytes);
     const int64_t E_total = s.E_total == 0 ? s.E_loc : s.E_total;
     const bool lora_thin = s.has_lora && s.I <= 768 && p.rows < 80 * E_total;
-    // Layers of at most kFewExperts experts take it above 8 rows an expert too.
+    // Layers of at most kFewExperts experts take it above 12 rows an expert too (the 16-row tile from 9 to 12).
     const bool few = E_total <= kFewExperts;
-    const bool wgmma_tile = (p.rows >= 32 * E_total && !lora_thin) || (few && p.rows > 8 * E_total);
+    const bool wgmma_tile = (p.rows >= 32 * E_total && !lora_thin) || (few && p.rows > 12 * E_total);
     EXPECT_EQ(pw.gemm_config, wgmma_tile ? 3 : p.gemm_config);
     if (few && p.rows > 0 && p.rows <= 8 * E_total) EXPECT_EQ(p.gemm_config, 0);
+    if (few && p.rows > 8 * E_total && p.rows <= 12 * E_total)
+      EXPECT_EQ(p.gemm_config, static_cast<int>(GemmTile::WeightsAsA16));
     check_plan(w, rng);
     // Every tile forced (MoeArgs::gemm_tile) is a plan of its own that keeps them too.
     for (int t = 0; t < kNumGemmConfigs; ++t) {
@@ -408,6 +411,30 @@ TEST(Plan, EpTileCountsRowsOverAllExperts) {
     EXPECT_EQ(ep.gemm_config, one.gemm_config);
     EXPECT_EQ(ep.gemm_config == static_cast<int>(GemmTile::SplitKDecode), T <= 192);
   }
+}
+
+// The 16-row tile takes 7-12 expected rows an expert (rows / E_total), below it the 8-row tile, above it the
+// 32-row one; on a layer of few experts it takes 9-12 rows an expert between the 8-row and the wgmma tiles
+// (measured 2026-12-03 on one H200: bench/NOTES.md).
+TEST(Plan, SixteenRowTileBetweenTheDecodeTiles) {
+  const int t8 = static_cast<int>(GemmTile::SplitKDecode), t16 = static_cast<int>(GemmTile::WeightsAsA16),
+            t32 = static_cast<int>(GemmTile::WeightsAsA32), wg = static_cast<int>(GemmTile::Wgmma64);
+  ProblemShape s;
+  s.device.wgmma = true;
+  s.H = 2880; s.I = 2880; s.E_loc = s.E_total = 128; s.k = 4;  // gpt_oss_120b: rows / 128 = T / 32
+  for (auto [T, tile] : {std::pair<int64_t, int>{192, t8}, {224, t16}, {256, t16}, {384, t16}, {416, t32},
+                         {512, t32}}) {
+    s.T = T;
+    EXPECT_EQ(make_plan(s).gemm_config, tile) << "T=" << T;
+  }
+  s.H = 4096; s.I = 14336; s.E_loc = s.E_total = 8; s.k = 2;  // mixtral_8x7b: rows / 8 = T / 4
+  for (auto [T, tile] : {std::pair<int64_t, int>{32, t8}, {36, t16}, {48, t16}, {52, wg}, {64, wg}}) {
+    s.T = T;
+    EXPECT_EQ(make_plan(s).gemm_config, tile) << "T=" << T;
+  }
+  s.device.wgmma = false;  // without wgmma, the 32-row tile above 12 rows an expert
+  s.T = 64;
+  EXPECT_EQ(make_plan(s).gemm_config, t32);
 }
 
 // tile_of walks every tile of the grid once, band by band, each band's tiles n by n with m fastest.

@@ -411,9 +411,10 @@ def test_gemm_tile_argument():
     w, x, logits = swiglu_layer(10)
     kw = dict(routing_logits=logits, top_k=K, routing_method="Renormalize")
     y = fp4moe.moe(x, w, **kw)
-    for tile in (0, 1, 2, "WeightsAsA32", fp4moe.GemmTile.TokensAsA64, "auto"):
+    for tile in (0, 1, 2, 4, "WeightsAsA32", "WeightsAsA16", fp4moe.GemmTile.TokensAsA64, "auto"):
         assert fp4moe.moe(x, w, gemm_tile=tile, **kw).view(np.uint16).tobytes() == y.view(np.uint16).tobytes()
-    assert [t.name for t in fp4moe.GemmTile] == ["Auto", "SplitKDecode", "WeightsAsA32", "TokensAsA64", "Wgmma64"]
+    assert [t.name for t in fp4moe.GemmTile] == ["Auto", "SplitKDecode", "WeightsAsA32", "TokensAsA64", "Wgmma64",
+                                               "WeightsAsA16"]
     sentinel = np.full((T, H), 7.0, dtype=BF16)
     for bad in (-2, 99, "tile4", 1.0):
         with pytest.raises(fp4moe.Fp4MoeError, match="gemm_tile"):

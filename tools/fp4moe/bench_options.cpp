@@ -35,8 +35,8 @@ int usage() {
       "                      or swiglubias (1.702, 1, clamp 7); the shape's name gets +A\n"
       "  --mode a16|a4       activation mode (default a16); a4: FC1/FC2 input scales 1/448 and 12/2688 (x is N(0,1)),\n"
       "                      the shape's name gets +a4\n"
-      "  --tile NAME         force a GEMM tile (GemmTile: SplitKDecode, WeightsAsA32, TokensAsA64, Wgmma64, or 0..3),\n"
-      "                      default: the plan's choice\n"
+      "  --tile NAME         force a GEMM tile (GemmTile: SplitKDecode, WeightsAsA32, TokensAsA64, Wgmma64,\n"
+      "                      WeightsAsA16, or 0..4), default: the plan's choice\n"
       "  --workspace-budget M  workspace budget in MiB (MoeArgs::workspace_budget; default: the library's, plan.h)\n"
       "  --quick             tokens 1,64,1024 and no extra repeats\n"
       "  --json FILE         write the results as JSON\n"
@@ -125,7 +125,7 @@ Options parse_options(int argc, char** argv) {
       else if (v == "a4") o.mode = ActMode::A4;
       else throw std::invalid_argument("--mode: expected a16 or a4, got '" + v + "'");
     } else if (a == "--tile") {
-      const std::string v = need(i);  // a GemmTile name (SplitKDecode, WeightsAsA32, TokensAsA64, Wgmma64) or its value
+      const std::string v = need(i);  // a GemmTile name or its value
       o.gemm_tile = -1;
       for (int t = 0; t < kNumGemmConfigs; ++t)
         if (v == to_string(static_cast<GemmTile>(t))) o.gemm_tile = t;

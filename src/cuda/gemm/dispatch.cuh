@@ -19,7 +19,8 @@ template <GemmTile T> constexpr bool a4_fusion_matches() {
   return gemm_a4_fusable(I, ActivationType::Swiglu) == kernel_fuses && !gemm_a4_fusable(I, ActivationType::Silu);
 }
 static_assert(a4_fusion_matches<GemmTile::SplitKDecode>() && a4_fusion_matches<GemmTile::WeightsAsA32>() &&
-                  a4_fusion_matches<GemmTile::TokensAsA64>() && a4_fusion_matches<GemmTile::Wgmma64>(),
+                  a4_fusion_matches<GemmTile::TokensAsA64>() && a4_fusion_matches<GemmTile::Wgmma64>() &&
+                  a4_fusion_matches<GemmTile::WeightsAsA16>(),
               "gemm_a4_fusable differs from the kernels' fused A4 epilogue");
 
 template <class Cfg, class Epi, class Act>
@@ -49,6 +50,7 @@ template <bool FP4, class F> void with_tile(int config, F&& f) {
     case GemmTile::SplitKDecode: f(TileOf<GemmTile::SplitKDecode, FP4>{}); break;
     case GemmTile::WeightsAsA32: f(TileOf<GemmTile::WeightsAsA32, FP4>{}); break;
     case GemmTile::TokensAsA64: f(TileOf<GemmTile::TokensAsA64, FP4>{}); break;
+    case GemmTile::WeightsAsA16: f(TileOf<GemmTile::WeightsAsA16, FP4>{}); break;
     default: f(TileOf<GemmTile::Wgmma64, FP4>{}); break;
   }
 }

@@ -1,9 +1,9 @@
-// The grouped GEMM kernel of the weights-as-A tiles (decode, small and medium batches: SplitKDecode, WeightsAsA32,
-// Wgmma64): the weights are the MMA A operand and the tokens B, so a tile of up to BM token rows reads each weight
-// byte once, and the block's many narrow column tiles keep many k-block streams in flight. Block (x, y, z) = (m
-// tile, n tile, split of K), or (n tile, split, m tile) in one-band grids (GemmProblem::m_last); every thread loads
-// its share and computes. Reads top to bottom: schedule, the epilogue's lookups beside the first copies, the
-// mainloop chunk by chunk, split-K, the epilogue group by group.
+// The grouped GEMM kernel of the weights-as-A tiles (decode, small and medium batches: SplitKDecode,
+// WeightsAsA16, WeightsAsA32, Wgmma64): the weights are the MMA A operand and the tokens B, so a tile of up to BM
+// token rows reads each weight byte once, and the block's many narrow column tiles keep many k-block streams in
+// flight. Block (x, y, z) = (m tile, n tile, split of K), or (n tile, split, m tile) in one-band grids
+// (GemmProblem::m_last); every thread loads its share and computes. Reads top to bottom: schedule, the epilogue's
+// lookups beside the first copies, the mainloop chunk by chunk, split-K, the epilogue group by group.
 //
 // Assumptions (asserted or guaranteed by the plan): N and K are multiples of 16; the weights use the prepared
 // layout of kernels.h; a tile has at most BM rows, in groups of 8 tokens.

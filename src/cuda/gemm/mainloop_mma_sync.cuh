@@ -2,8 +2,8 @@
 // TokensAsAMainloop, the TokensAsA64 tile: acc[BM x BN] = A[rows, 0:K] . B[n0:n0+BN, 0:K]^T, the tokens as the A
 // operand (ldmatrix) and the weights decoded from shared memory straight into B fragments (NVFP4: e2m1 * e4m3 *
 // 2^-8 in bf16, exact; format/nvfp4_prepared.h).
-// WeightsAsAMmaSync, the SplitKDecode and WeightsAsA32 tiles: the weights as A (weight_fragments.cuh), the tokens
-// as B, one K chunk's chain a call.
+// WeightsAsAMmaSync, the SplitKDecode, WeightsAsA16 and WeightsAsA32 tiles: the weights as A (weight_fragments.cuh),
+// the tokens as B, one K chunk's chain a call.
 #pragma once
 #include <cstdint>
 

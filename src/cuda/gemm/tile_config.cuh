@@ -50,12 +50,12 @@ template <class C> __device__ __forceinline__ uint8_t* stage_base(uint8_t* smem)
 // one wgmma m64nBMk16 a k16 step, into the same fragments as BM / 8 token groups of mma.sync.
 template <GemmTile tile, bool FP4, GemmConfig g = kGemmConfigs[static_cast<int>(tile)]>
 using TileOf = TileConfig<g.bm, g.bn, g.warps_m, g.warps_n, gemm_stages(g, FP4), FP4, g.weights_as_a, g.wgmma>;
-static_assert(kNumGemmConfigs == 4 && static_cast<int>(GemmTile::SplitKDecode) == 0 &&
+static_assert(kNumGemmConfigs == 5 && static_cast<int>(GemmTile::SplitKDecode) == 0 &&
                   static_cast<int>(GemmTile::WeightsAsA32) == 1 && static_cast<int>(GemmTile::TokensAsA64) == 2 &&
-                  static_cast<int>(GemmTile::Wgmma64) == 3,
+                  static_cast<int>(GemmTile::Wgmma64) == 3 && static_cast<int>(GemmTile::WeightsAsA16) == 4,
               "GemmTile names the rows of kGemmConfigs");
 static_assert(kGemmConfigs[0].bk == 64 && kGemmConfigs[1].bk == 64 && kGemmConfigs[2].bk == 64 &&
-                  kGemmConfigs[3].bk == 64,
+                  kGemmConfigs[3].bk == 64 && kGemmConfigs[4].bk == 64,
               "TileConfig's K step");
 
 }  // namespace fp4moe::cuda_backend
