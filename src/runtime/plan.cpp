@@ -139,9 +139,10 @@ MoePlan make_plan(const ProblemShape& shape) {
   const bool lora_thin = s.has_lora && s.I <= 768 && p.rows < 80 * s.E_total;
   // Layers of few experts (mixtral_8x7b: 8, I = 14336): the 32-row mma.sync tile ran slower than the 8-row tile
   // up to 8 rows an expert and than the wgmma tile above, so it is skipped there.
-  // The 16-row tile from 7 to 12 expected rows (measured 2026-12-03 against the 32-row tile: gpt_oss_120b T=256
+  // The 16-row tile from 5 to 12 expected rows (measured 2026-12-03 against the 32-row tile: gpt_oss_120b T=256
   // 0.88, kimi_k3_tp8 T=512 0.92, qwen3_30b_a3b T=128 0.91, deepseek_v3_ep8 T=256 0.95; mixtral_8x7b T=48 395
-  // against 474 us on the wgmma tile; at 16 rows it lost to the 32-row tile by 3-10 % but on qwen3_30b_a3b_tp4).
+  // against 474 us on the wgmma tile; at 16 rows it lost to the 32-row tile by 3-10 % but on qwen3_30b_a3b_tp4;
+  // against the 8-row tile: deepseek_v3_ep8 T=160 / 192 0.97 / 0.93, kimi_k3_tp8 T=256 0.97, at 4 rows 1.01).
   const bool few_experts = s.E_total <= kFewExperts;
   constexpr int kTile16 = static_cast<int>(GemmTile::WeightsAsA16);
   auto choose = [&](bool wgmma) {
@@ -149,7 +150,7 @@ MoePlan make_plan(const ProblemShape& shape) {
     if (few_experts && p.rows <= 8 * s.E_total) return 0;
     if (few_experts && p.rows <= 12 * s.E_total) return kTile16;
     if (few_experts && wgmma) return 3;
-    return avg_rows <= 6 ? 0 : avg_rows <= 12 ? kTile16 : (avg_rows <= 512 ? 1 : 2);
+    return avg_rows <= 4 ? 0 : avg_rows <= 12 ? kTile16 : (avg_rows <= 512 ? 1 : 2);
   };
   p.gemm_config = s.gemm_config >= 0 ? s.gemm_config : choose(s.device.wgmma);
   p.gemm = kGemmConfigs[p.gemm_config];

@@ -198,7 +198,7 @@ inline constexpr GemmConfig kGemmConfigs[kNumGemmConfigs] = {
     {64, 128, 64, 2, 4, 3},        // more rows an expert (a 128-row tile ran 1 block an SM at 244 registers: slower)
     // sm_90a: two warpgroups, each 64 weight rows (register A) x the 64 tokens (shared B) with wgmma; two blocks an SM.
     {64, 128, 64, 1, 8, 4, true, true},
-    // 7-12 rows an expert (plan.cpp): the 8-row tile reads an expert's weights twice, the 32-row one is capped at
+    // 5-12 rows an expert (plan.cpp): the 8-row tile reads an expert's weights twice, the 32-row one is capped at
     // 128 registers (four blocks an SM).
     {16, 128, 64, 1, 4, 6, true},
     // (A 128-token wgmma tile with producer warps and one persistent block an SM was retired: with the tile bands
