@@ -144,13 +144,14 @@ MoePlan make_plan(const ProblemShape& shape) {
   // against 474 us on the wgmma tile; at 16 rows it lost to the 32-row tile by 3-10 % but on qwen3_30b_a3b_tp4;
   // against the 8-row tile: deepseek_v3_ep8 T=160 / 192 0.97 / 0.93, kimi_k3_tp8 T=256 0.97, at 4 rows 1.01).
   const bool few_experts = s.E_total <= kFewExperts;
-  constexpr int kTile16 = static_cast<int>(GemmTile::WeightsAsA16);
   auto choose = [&](bool wgmma) {
-    if (wgmma && p.rows >= 32 * s.E_total && !lora_thin) return 3;
-    if (few_experts && p.rows <= 8 * s.E_total) return 0;
-    if (few_experts && p.rows <= 12 * s.E_total) return kTile16;
-    if (few_experts && wgmma) return 3;
-    return avg_rows <= 4 ? 0 : avg_rows <= 12 ? kTile16 : (avg_rows <= 512 ? 1 : 2);
+    GemmTile t = GemmTile::TokensAsA64;
+    if (wgmma && p.rows >= 32 * s.E_total && !lora_thin) t = GemmTile::Wgmma64;
+    else if (avg_rows <= (few_experts ? 8 : 4)) t = GemmTile::SplitKDecode;
+    else if (avg_rows <= 12) t = GemmTile::WeightsAsA16;
+    else if (few_experts && wgmma) t = GemmTile::Wgmma64;
+    else if (avg_rows <= 512) t = GemmTile::WeightsAsA32;
+    return static_cast<int>(t);
   };
   p.gemm_config = s.gemm_config >= 0 ? s.gemm_config : choose(s.device.wgmma);
   p.gemm = kGemmConfigs[p.gemm_config];

@@ -54,8 +54,11 @@ static_assert(kNumGemmConfigs == 5 && static_cast<int>(GemmTile::SplitKDecode) =
                   static_cast<int>(GemmTile::WeightsAsA32) == 1 && static_cast<int>(GemmTile::TokensAsA64) == 2 &&
                   static_cast<int>(GemmTile::Wgmma64) == 3 && static_cast<int>(GemmTile::WeightsAsA16) == 4,
               "GemmTile names the rows of kGemmConfigs");
-static_assert(kGemmConfigs[0].bk == 64 && kGemmConfigs[1].bk == 64 && kGemmConfigs[2].bk == 64 &&
-                  kGemmConfigs[3].bk == 64 && kGemmConfigs[4].bk == 64,
-              "TileConfig's K step");
+constexpr bool every_tile_steps_64() {
+  for (const GemmConfig& c : kGemmConfigs)
+    if (c.bk != 64) return false;
+  return true;
+}
+static_assert(every_tile_steps_64(), "TileConfig's K step");
 
 }  // namespace fp4moe::cuda_backend
