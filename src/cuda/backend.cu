@@ -244,6 +244,10 @@ void route(const Call& c, Chunk& ch) {
   rp.ids = c.b.ids;
   rp.weights = c.b.wts;
   rp.error_flag = c.err;
+  if (c.plan.entry_tiles) {
+    rp.zero_counters = c.b.split_counters;
+    rp.num_counters = static_cast<int>(c.plan.split_counters.bytes / 4);
+  }
   launch_routing(rp, c.plan.routing_warps_per_block, c.plan.routing_smem, c.stream);
   ch.launched = true;
   ch.ids = c.b.ids;
@@ -397,6 +401,15 @@ GemmProblem gemm1(const Call& c, const Chunk& ch) {
   g1.max_tiles = static_cast<int>(c.plan.max_m_tiles);
   g1.m_band = c.plan.m_band1;
   g1.m_last = c.plan.gemm_m_last ? 1 : 0;
+  if (c.plan.entry_tiles) {  // one entry a tile, no permutation (plan.h MoePlan::entry_tiles)
+    g1.row_entry = nullptr;
+    g1.tile_info = nullptr;
+    g1.expert_offsets = nullptr;
+    g1.entry_ids = ch.ids;
+    g1.max_tiles = ch.rows;
+    g1.local_offset = c.local_offset();
+    g1.E_loc = static_cast<int>(c.w.E);
+  }
   g1.B = c.dw->w1;
   Epilogue1Params e1 = epilogue1_for(*c.dw, c.b.act, static_cast<int>(k), c.a4 ? c.b.x_scale : nullptr);
   e1.delta = a.gate_up_lora_delta.present()
@@ -411,7 +424,7 @@ GemmProblem gemm1(const Call& c, const Chunk& ch) {
   e1.a_quant_gs = c.a4_fused ? 1.f / a.fc2_input_scale : 0.f;
   g1 = with_split(c, g1, c.plan.split1);
   launch_gemm1(c.plan.gemm_config, c.w.format, c.s.activation, g1, e1, static_cast<int>(c.plan.n1_tiles),
-               static_cast<int>(c.plan.max_m_tiles), c.stream);
+               g1.max_tiles, c.stream);
   return g1;
 }
 
@@ -427,7 +440,7 @@ void gemm2(const Call& c, const GemmProblem& g1) {
   Epilogue2Params e2 = epilogue2_for(*c.dw, c.b.out, c.k(), c.fc2_scale);
   e2.lora = expand(c, c.b.lora_t2, c.plan.lora_r2_stride, kLoraDown);
   launch_gemm2(c.plan.gemm_config, c.w.format, g2, e2, static_cast<int>(c.plan.n2_tiles),
-               static_cast<int>(c.plan.max_m_tiles), c.stream);
+               g2.max_tiles, c.stream);
 }
 
 // 7. Shared expert: the same pipeline over all tokens of the chunk, dense rows.
@@ -496,7 +509,7 @@ void run_chunk(const Call& c, int64_t chunk) {
   quantize_x(c, ch);
   const PermuteParams pp = permute_params(c, ch);
   if (c.lora) lora_shrink_x(c, ch, pp);
-  permute(c, ch, pp);
+  if (!c.plan.entry_tiles) permute(c, ch, pp);
   if (c.lora && c.plan.lora_shrink_tiled)
     lora_shrink_tiled(c, x_of(c, ch), true, c.s.H, kLoraGateUp, c.b.lora_t1, c.plan.lora_r1_stride);
   const GemmProblem g1 = gemm1(c, ch);

@@ -169,6 +169,9 @@ struct RoutingParams {
   int32_t* ids = nullptr;        // [T, k] out
   float* weights = nullptr;      // [T, k] out
   int* error_flag = nullptr;     // set (kErrRoutingBias) when the bias holds a value that is not finite
+  // Entry tiles (plan.h MoePlan::entry_tiles): no permutation runs, so block 0 zeroes the split-K counters.
+  int32_t* zero_counters = nullptr;
+  int num_counters = 0;
 };
 
 struct PermuteParams {
@@ -210,6 +213,10 @@ struct GemmProblem {
   // Weights-as-A grids of one band (plan.h MoePlan::gemm_m_last; the launch keeps it to grids it fits): blocks
   // (n tile, split, m tile), so the first m tiles, the ones with rows, go first (0: (m tile, n tile, split)).
   int m_last = 0;
+  // Entry tiles (plan.h MoePlan::entry_tiles; tile_info null): m tile m is (token, slot) entry m alone, its expert
+  // entry_ids[m] - local_offset (the tile is empty when that is not in [0, E_loc)), its row the entry.
+  const int32_t* entry_ids = nullptr;
+  int local_offset = 0, E_loc = 0;
 };
 
 // GEMM1 epilogue: h = acc * s_half[e] * row_scale[token] (+bias) (+delta); a = act(g, u); bf16.

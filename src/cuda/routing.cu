@@ -284,6 +284,8 @@ __device__ __forceinline__ void route_token(const RoutingParams& p, int t, float
 template <RoutingMethod M> __global__ void routing_kernel(RoutingParams p) {
   dev::pdl_wait();
   dev::pdl_launch_dependents();
+  if (blockIdx.x == 0)  // entry tiles: the counters the permutation would have zeroed (the GEMMs wait for this kernel)
+    for (int c = static_cast<int>(threadIdx.x); c < p.num_counters; c += static_cast<int>(blockDim.x)) p.zero_counters[c] = 0;
   extern __shared__ float smem[];
   const int warp = threadIdx.x >> 5;
   const int t = blockIdx.x * (blockDim.x >> 5) + warp;

@@ -130,6 +130,16 @@ MoePlan make_plan(const ProblemShape& shape) {
   p.perm_blocks = ceil_div(p.rows, p.perm_entries);
   p.perm_smem = static_cast<size_t>(s.E_loc * 4);
 
+  // Entry tiles (MoePlan::entry_tiles) where the chunk's local entries exceed the distinct local experts they reach by
+  // at most 10 % in expectation under uniform routing (E_loc (1 - (1 - k / E_total)^T) of them): an expert that two
+  // entries share is read by both tiles. Measured 2026-12-03 against the permutation (bench/NOTES.md): T=1 0.89-0.96
+  // on every SPEC shape; T=2..8 0.85-0.99 within the bound, above it qwen3_30b_a3b T=8 (24 %) 1.11, mixtral_8x7b T=4
+  // (46 %) 1.35.
+  const double local_entries = static_cast<double>(p.rows * s.E_loc) / static_cast<double>(s.E_total);
+  const double local_experts = static_cast<double>(s.E_loc) *
+      (1.0 - std::pow(1.0 - static_cast<double>(k) / static_cast<double>(s.E_total), static_cast<double>(p.chunk_tokens)));
+  p.entry_tiles = s.routing_from_logits && !s.has_lora && s.mode == ActMode::A16 && p.rows > 0 &&
+                  p.rows <= s.E_loc && local_entries <= 1.1 * local_experts;
   // GEMM tile: by the expected rows per expert, rows / E_total (under EP a local expert expects the share of any
   // other). Any choice gives the same bits (every tile follows the same K order), so it may depend on T without
   // breaking batch invariance. Measurements behind each threshold: bench/NOTES.md, "Plan choices".

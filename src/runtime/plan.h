@@ -86,6 +86,12 @@ struct MoePlan {
   int64_t perm_blocks = 0;      // for a full chunk
   size_t perm_smem = 0;         // E_loc ints per block
 
+  // Entry tiles: every (token, slot) entry of the chunk is an m tile of its own in the routed GEMMs (its expert read
+  // from the routing's ids, its row the entry), so no permutation runs; the routing kernel zeroes the split-K
+  // counters. Decode from logits without LoRA in A16, at most E_loc entries (plan.cpp): the routed grids then have
+  // the chunk's entries as m tiles, at most max_m_tiles, which still sizes the workspace and the split choice.
+  bool entry_tiles = false;
+
   // Grouped GEMMs.
   int gemm_config = 0;          // index into kGemmConfigs
   GemmConfig gemm;              // = kGemmConfigs[gemm_config]

@@ -437,6 +437,57 @@ TEST(Plan, SixteenRowTileBetweenTheDecodeTiles) {
   EXPECT_EQ(make_plan(s).gemm_config, t32);
 }
 
+// Entry tiles: a decode chunk routed from logits, without LoRA, in A16, of at most E_loc entries runs its GEMMs one
+// entry a tile with no permutation; the bound it is sized for (max_m_tiles) holds the entries.
+TEST(Plan, EntryTilesAtDecodeFromLogits) {
+  ProblemShape s;
+  s.H = 3584; s.I = 384; s.E_loc = s.E_total = 384; s.k = 8; s.T = 1;  // kimi_k3_tp8
+  MoePlan p = make_plan(s);
+  EXPECT_TRUE(p.entry_tiles);
+  EXPECT_GE(p.max_m_tiles, p.rows);
+  ProblemShape o = s;
+  o.routing_from_logits = false;  // the caller's ids are checked by the permutation
+  EXPECT_FALSE(make_plan(o).entry_tiles);
+  o = s;
+  o.has_lora = true;  // the LoRA kernels read the permutation's rows
+  EXPECT_FALSE(make_plan(o).entry_tiles);
+  o = s;
+  o.mode = ActMode::A4;
+  EXPECT_FALSE(make_plan(o).entry_tiles);
+  o = s;
+  o.T = 4096;
+  EXPECT_FALSE(make_plan(o).entry_tiles);
+  for (int64_t T : {2, 8, 10}) {  // kimi's 384 experts: 64 entries reach ~59.6 distinct ones at T = 8 (7 % more)
+    o.T = T;
+    EXPECT_TRUE(make_plan(o).entry_tiles) << "T=" << T;
+  }
+  o.T = 16;
+  EXPECT_FALSE(make_plan(o).entry_tiles);
+  o = s;
+  o.H = 2048; o.I = 768; o.E_loc = o.E_total = 128;  // qwen3_30b_a3b: 10 % more entries than experts at T = 4
+  o.T = 4;
+  EXPECT_TRUE(make_plan(o).entry_tiles);
+  o.T = 8;  // 24 % more (measured 1.11 against the permutation)
+  EXPECT_FALSE(make_plan(o).entry_tiles);
+  o = s;
+  o.H = 4096; o.I = 14336; o.E_loc = o.E_total = 8; o.k = 2;  // mixtral_8x7b: two entries at T = 1, always distinct
+  o.T = 1;
+  EXPECT_TRUE(make_plan(o).entry_tiles);
+  o.T = 4;  // 8 entries on 5.5 experts (measured 1.35)
+  EXPECT_FALSE(make_plan(o).entry_tiles);
+  std::mt19937_64 rng(91);
+  for (int i = 0; i < 3000; ++i) {  // wherever they are on, the grid's entries fit the bound
+    const int64_t H = 16 * std::uniform_int_distribution<int64_t>(1, 512)(rng);
+    const int64_t I = 16 * std::uniform_int_distribution<int64_t>(1, 512)(rng);
+    const ProblemShape r = random_shape(rng, H, I, std::uniform_int_distribution<int64_t>(0, 16)(rng));
+    const MoePlan q = make_plan(r);
+    if (!q.entry_tiles) continue;
+    EXPECT_LE(q.rows, q.max_m_tiles);
+    EXPECT_LE(q.rows, r.E_loc);
+    EXPECT_TRUE(r.routing_from_logits && !r.has_lora && r.mode == ActMode::A16);
+  }
+}
+
 // tile_of walks every tile of the grid once, band by band, each band's tiles n by n with m fastest.
 TEST(Plan, TileOrderIsAPermutationInBands) {
   std::mt19937_64 rng(5);

@@ -10,7 +10,8 @@ namespace fp4moe::cuda_backend {
 // The (token, slot) entry of permuted row r (dense problems: the row itself).
 __device__ __forceinline__ int entry_of(const GemmProblem& g, int r) { return g.row_entry ? g.row_entry[r] : r; }
 
-// Tile -> (expert, rows). Routed: tile_info from the permutation; dense (shared expert): consecutive rows.
+// Tile -> (expert, rows). Routed: tile_info from the permutation, or one entry a tile (entry tiles); dense (shared
+// expert): consecutive rows.
 struct TileRows {
   int expert, row0, row_end;
 };
@@ -20,13 +21,15 @@ template <int BM> __device__ __forceinline__ bool resolve_tile(const GemmProblem
     tr.expert = g.tile_info[2 * tile];
     tr.row0 = g.tile_info[2 * tile + 1];
     tr.row_end = min(tr.row0 + BM, g.expert_offsets[tr.expert + 1]);
-  } else {
-    tr.expert = 0;
-    tr.row0 = tile * BM;
-    if (tr.row0 >= g.dense_rows) return false;
-    tr.row_end = min(tr.row0 + BM, g.dense_rows);
+    return true;
   }
-  return true;
+  // Dense rows (the shared expert: expert 0, BM consecutive rows a tile) or entry tiles (tile = entry, one row; the
+  // grid's m tiles are the entries, so entry_ids[tile] is in the chunk; another rank's expert: no tile).
+  const bool entry = g.entry_ids != nullptr;
+  tr.expert = entry ? g.entry_ids[tile] - g.local_offset : 0;
+  tr.row0 = entry ? tile : tile * BM;
+  tr.row_end = entry ? tile + 1 : min(tr.row0 + BM, g.dense_rows);
+  return entry ? tr.expert >= 0 && tr.expert < g.E_loc : tr.row0 < g.dense_rows;
 }
 
 // The (m, n) tile of this block of a grid (m tiles, n tiles[, splits]).
