@@ -206,7 +206,8 @@ struct GemmProblem {
   DeviceMatrix B;
   // Split-K (skinny tiles only, plan.h split1/split2): `split` blocks share a tile's K chunks; each writes its
   // chunk sums to partials and the last to arrive adds them in chunk order (counters: one per tile, zero
-  // between calls — the one-block permutation zeroes them, the last block of a tile resets its own).
+  // between calls — the one-block permutation zeroes them, or the routing under entry tiles; the last block of a tile
+  // resets its own).
   int split = 1;
   float* partials = nullptr;
   int32_t* counters = nullptr;

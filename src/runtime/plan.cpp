@@ -204,8 +204,8 @@ MoePlan make_plan(const ProblemShape& shape) {
     p.shared_k2_pad = round_up(s.shared_I, g.bk);
   }
   // Split-K: mma.sync weights-as-A tiles on a grid below split_target_blocks, when the one-block permutation (which
-  // zeroes the counters) runs, split towards twice that many blocks; larger grids stay whole (splitting them was
-  // slower). Whole chunks per block; no block without a chunk.
+  // zeroes the counters; under entry tiles the routing does) runs, split towards twice that many blocks; larger
+  // grids stay whole (splitting them was slower). Whole chunks per block; no block without a chunk.
   int64_t partial_floats = 0, counters = 0;
   // The grid's blocks (partials, counters) are m_tiles x n_tiles; the choice counts work_m_tiles x n_tiles.
   auto split_of = [&](const GemmConfig& c, int64_t m_tiles, int64_t work_m_tiles, int64_t n_tiles, int64_t k_pad) {
