@@ -365,12 +365,13 @@ void lora_shrink_act(const Call& c, const Chunk& ch, const uint16_t* a, int64_t 
   lp.a = a;
   lp.K = static_cast<int>(K);
   lp.rows = n_rows;
-  if (routed) {
-    lp.row_count = c.b.expert_offsets + c.w.E;
-    lp.row_entry = c.b.row_entry;
+  if (routed) {  // GEMM1's rows: permuted, or the entries themselves under entry tiles
+    lp.row_count = c.plan.entry_tiles ? nullptr : c.b.expert_offsets + c.w.E;
+    lp.row_entry = c.plan.entry_tiles ? nullptr : c.b.row_entry;
     lp.ids = ch.ids;
     lp.k = c.k();
     lp.local_offset = c.local_offset();
+    lp.E_loc = static_cast<int>(c.w.E);
   }
   lp.which = which;
   lp.t = t;

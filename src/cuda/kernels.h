@@ -147,10 +147,10 @@ struct LoraShrink2Params {
   const uint16_t* a = nullptr;           // bf16 [rows, K]
   int K = 0;
   int rows = 0;
-  const int32_t* row_count = nullptr;    // routed: expert_offsets + E_loc
-  const int32_t* row_entry = nullptr;    // routed: permuted row -> entry; null: dense
-  const int32_t* ids = nullptr;          // routed: [T, k] global expert ids
-  int k = 1, local_offset = 0;
+  const int32_t* row_count = nullptr;    // routed after the permutation: expert_offsets + E_loc
+  const int32_t* row_entry = nullptr;    // routed after the permutation: permuted row -> entry (null: row = entry)
+  const int32_t* ids = nullptr;          // routed: [T, k] global expert ids (null: dense rows)
+  int k = 1, local_offset = 0, E_loc = 0;
   int which = kLoraDown;
   float* t = nullptr;
   int t_stride = 0;

@@ -325,15 +325,16 @@ __global__ void __launch_bounds__(128) lora_shrink_tiled_kernel(LoraTiledShrinkP
 // Block per row: the row's items are rows_per_item-row blocks of its adapter's A (routed: A2 of the row's expert).
 __global__ void __launch_bounds__(512) lora_shrink2_kernel(LoraShrink2Params p) {  // up to 16 warps (plan)
   __shared__ float4 part[kUnits][32][1];
-  // Before the wait, the row's adapter: from the permutation, the routing and the x shrink, which finished before
-  // the GEMM that wrote a (this kernel's predecessor) let this one start.
+  // Before the wait, the row's adapter: from the permutation (if any), the routing and the x shrink, which finished
+  // before the GEMM that wrote a (this kernel's predecessor) let this one start.
   const int row = static_cast<int>(blockIdx.x);
   if (p.row_count && row >= *p.row_count) return;  // rows the permutation did not fill
   int entry = row, token = row, e = 0;
-  if (p.row_entry) {
-    entry = p.row_entry[row];
+  if (p.ids) {  // routed: permuted rows, or under entry tiles the entries themselves
+    entry = p.row_entry ? p.row_entry[row] : row;
     token = entry / p.k;
-    e = p.ids[entry] - p.local_offset;  // a local expert: the permutation placed only those
+    e = p.ids[entry] - p.local_offset;
+    if (e < 0 || e >= p.E_loc) return;  // another rank's expert (entry tiles; the permutation placed only local ones)
   }
   const int slot = p.token_slot[token];
   if (slot < 0) return;

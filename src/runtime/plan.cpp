@@ -138,7 +138,7 @@ MoePlan make_plan(const ProblemShape& shape) {
   const double local_entries = static_cast<double>(p.rows * s.E_loc) / static_cast<double>(s.E_total);
   const double local_experts = static_cast<double>(s.E_loc) *
       (1.0 - std::pow(1.0 - static_cast<double>(k) / static_cast<double>(s.E_total), static_cast<double>(p.chunk_tokens)));
-  p.entry_tiles = s.routing_from_logits && !s.has_lora && s.mode == ActMode::A16 && p.rows > 0 &&
+  p.entry_tiles = s.routing_from_logits && s.mode == ActMode::A16 && p.rows > 0 &&
                   p.rows <= s.E_loc && local_entries <= 1.1 * local_experts;
   // GEMM tile: by the expected rows per expert, rows / E_total (under EP a local expert expects the share of any
   // other). Any choice gives the same bits (every tile follows the same K order), so it may depend on T without
@@ -293,8 +293,11 @@ MoePlan make_plan(const ProblemShape& shape) {
     // The tiled routed shrinks where they measured faster: at least 20 rows an expert and 300 row tiles expected,
     // counting only this rank's share of the rows under EP (few tiles leave the tiled kernel too few warps).
     const int64_t local_rows = ceil_div(p.rows * s.E_loc, s.E_total);
-    p.lora_shrink_tiled = ceil_div(local_rows, s.E_loc) >= 20 && ceil_div(local_rows, g.bm) + s.E_loc >= 300;
-    p.lora_shrink1_permutes = p.perm_blocks == 1 && p.rows <= kShrinkPermuteRows && s.E_loc <= 1024;
+    // Under entry tiles no permutation runs: the shrinks go by entry (the x shrink per token, the a shrink per entry).
+    p.lora_shrink_tiled =
+        !p.entry_tiles && ceil_div(local_rows, s.E_loc) >= 20 && ceil_div(local_rows, g.bm) + s.E_loc >= 300;
+    p.lora_shrink1_permutes =
+        !p.entry_tiles && p.perm_blocks == 1 && p.rows <= kShrinkPermuteRows && s.E_loc <= 1024;
     p.lora_slot = L.take(Tc * 4);
     p.lora_t1 = L.take(R * p.lora_r1_stride * 4);
     p.lora_t2 = L.take(R * p.lora_r2_stride * 4);

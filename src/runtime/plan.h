@@ -88,8 +88,9 @@ struct MoePlan {
 
   // Entry tiles: every (token, slot) entry of the chunk is an m tile of its own in the routed GEMMs (its expert read
   // from the routing's ids, its row the entry), so no permutation runs; the routing kernel zeroes the split-K
-  // counters. Decode from logits without LoRA in A16, at most E_loc entries (plan.cpp): the routed grids then have
-  // the chunk's entries as m tiles, at most max_m_tiles, which still sizes the workspace and the split choice.
+  // counters, and the LoRA shrinks go by entry. Decode from logits in A16, at most E_loc entries (plan.cpp): the
+  // routed grids then have the chunk's entries as m tiles, at most max_m_tiles, which still sizes the workspace and
+  // the split choice.
   bool entry_tiles = false;
 
   // Grouped GEMMs.

@@ -125,8 +125,9 @@ void check_plan(const ProblemShape& s, std::mt19937_64& rng) {
   if (E == p.shape.E_total && E > kFewExperts) EXPECT_EQ(p.split_m_tiles, p.max_m_tiles);
   EXPECT_EQ(p.gemm_m_last, p.max_m_tiles > 0 && 2 * p.split_m_tiles <= p.max_m_tiles);
   // The x shrink's launch permutes only a one-block chunk of few entries, in a block of its size (a warp or more).
-  EXPECT_EQ(p.lora_shrink1_permutes,
-            p.shape.has_lora && p.perm_blocks == 1 && p.rows <= kShrinkPermuteRows && E <= 1024);
+  EXPECT_EQ(p.lora_shrink1_permutes, p.shape.has_lora && !p.entry_tiles && p.perm_blocks == 1 &&
+                                         p.rows <= kShrinkPermuteRows && E <= 1024);
+  if (p.entry_tiles) EXPECT_FALSE(p.lora_shrink_tiled);  // the tiled shrinks read the permutation's tiles
   if (p.lora_shrink1_permutes) EXPECT_GE(p.lora_shrink1_threads, 32);
   struct SplitCase { int split; int64_t m_tiles, n_tiles, k_pad; };
   for (const SplitCase& c : {SplitCase{p.split1, p.split_m_tiles, p.n1_tiles, p.k1_pad},
@@ -437,8 +438,8 @@ TEST(Plan, SixteenRowTileBetweenTheDecodeTiles) {
   EXPECT_EQ(make_plan(s).gemm_config, t32);
 }
 
-// Entry tiles: a decode chunk routed from logits, without LoRA, in A16, of at most E_loc entries runs its GEMMs one
-// entry a tile with no permutation; the bound it is sized for (max_m_tiles) holds the entries.
+// Entry tiles: a decode chunk routed from logits in A16 (with or without LoRA), of at most E_loc entries, runs its
+// GEMMs one entry a tile with no permutation; the bound it is sized for (max_m_tiles) holds the entries.
 TEST(Plan, EntryTilesAtDecodeFromLogits) {
   ProblemShape s;
   s.H = 3584; s.I = 384; s.E_loc = s.E_total = 384; s.k = 8; s.T = 1;  // kimi_k3_tp8
@@ -449,8 +450,9 @@ TEST(Plan, EntryTilesAtDecodeFromLogits) {
   o.routing_from_logits = false;  // the caller's ids are checked by the permutation
   EXPECT_FALSE(make_plan(o).entry_tiles);
   o = s;
-  o.has_lora = true;  // the LoRA kernels read the permutation's rows
-  EXPECT_FALSE(make_plan(o).entry_tiles);
+  o.has_lora = true;  // the LoRA shrinks go by entry, the x shrink's launch permutes nothing
+  EXPECT_TRUE(make_plan(o).entry_tiles);
+  EXPECT_FALSE(make_plan(o).lora_shrink1_permutes);
   o = s;
   o.mode = ActMode::A4;
   EXPECT_FALSE(make_plan(o).entry_tiles);
@@ -484,7 +486,8 @@ TEST(Plan, EntryTilesAtDecodeFromLogits) {
     if (!q.entry_tiles) continue;
     EXPECT_LE(q.rows, q.max_m_tiles);
     EXPECT_LE(q.rows, r.E_loc);
-    EXPECT_TRUE(r.routing_from_logits && !r.has_lora && r.mode == ActMode::A16);
+    EXPECT_TRUE(r.routing_from_logits && r.mode == ActMode::A16);
+    EXPECT_FALSE(q.lora_shrink1_permutes || q.lora_shrink_tiled);
   }
 }
 

@@ -250,6 +250,28 @@ TEST_P(GpuLoraLayouts, MatchReference) {
 INSTANTIATE_TEST_SUITE_P(Qwen, GpuLoraLayouts, ::testing::ValuesIn(kLayoutVariants),
                          [](const ::testing::TestParamInfo<LayoutVariant>& i) { return std::string(i.param.name); });
 
+// Decode with LoRA, one entry a tile (plan.entry_tiles: no permutation, the shrinks by entry), against the reference:
+// on qwen3_30b_a3b's full layer of 128 experts, and on an expert-parallel shard whose entries partly go to others.
+TEST(GpuLora, DecodeEntryTiles) {
+  FP4MOE_SKIP_WITHOUT_GPU();
+  struct Variant { int64_t E_loc, offset, T; uint64_t seed; const char* label; };
+  for (const Variant& v : {Variant{128, 0, 4, 41, "qwen decode entry tiles"},
+                           Variant{64, 32, 3, 42, "qwen decode entry tiles EP 64/128"}}) {
+    Case c;
+    c.shape = model("qwen3_30b_a3b");
+    c.E_loc = v.E_loc;
+    c.E_total = 128;
+    c.offset = v.offset;
+    c.T = c.check_tokens = v.T;
+    c.seed = v.seed;
+    ProblemShape ps = problem_shape(c);
+    ps.has_lora = true;
+    ps.max_lora_rank = 64;
+    ASSERT_TRUE(make_plan(ps).entry_tiles) << v.label << ": the plan should run entry tiles";
+    layouts_case(c, v.label);
+  }
+}
+
 // Mixtral's I = 14336: the shrink of a (K = I) has 28 chunks of kKChunk, more than one round of the shrink
 // kernels' partial sums (src/cuda/lora.cu block_shrink carries the sum across rounds).
 TEST(GpuLora, MixtralLongKShrink) {

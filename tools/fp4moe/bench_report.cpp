@@ -72,6 +72,7 @@ std::string case_json(const CaseResult& r) {
     plan.add("chunks", jint(r.plan.num_chunks)).add("max_m_tiles", jint(r.plan.max_m_tiles));
     plan.add("split_m_tiles", jint(r.plan.split_m_tiles)).add("split1", jint(r.plan.split1));
     plan.add("split2", jint(r.plan.split2)).add("m_last", jbool(r.plan.gemm_m_last));
+    plan.add("entry_tiles", jbool(r.plan.entry_tiles));
     o.add("plan", plan.dump());
   }
   return o.dump();
