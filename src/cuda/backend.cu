@@ -411,6 +411,7 @@ GemmProblem gemm1(const Call& c, const Chunk& ch) {
     g1.local_offset = c.local_offset();
     g1.E_loc = static_cast<int>(c.w.E);
   }
+  g1.wait_late = c.lora && c.plan.gemm1_beside_x_shrink ? 1 : 0;
   g1.B = c.dw->w1;
   Epilogue1Params e1 = epilogue1_for(*c.dw, c.b.act, static_cast<int>(k), c.a4 ? c.b.x_scale : nullptr);
   e1.delta = a.gate_up_lora_delta.present()
@@ -422,6 +423,11 @@ GemmProblem gemm1(const Call& c, const Chunk& ch) {
   e1.defaults = c.defaults;
   e1.act_out = act_out;
   e1.lora = expand(c, c.b.lora_t1, c.plan.lora_r1_stride, kLoraGateUp);
+  if (g1.wait_late) {  // token_slot is the x shrink's, which runs beside this GEMM's mainloop
+    e1.lora.token_slot = nullptr;
+    e1.lora.adapter_ids = static_cast<const int32_t*>(c.args.adapter_ids.data) + ch.t0;
+    e1.lora.num_slots = static_cast<int>(c.adapters->size());
+  }
   e1.a_quant_gs = c.a4_fused ? 1.f / a.fc2_input_scale : 0.f;
   g1 = with_split(c, g1, c.plan.split1);
   launch_gemm1(c.plan.gemm_config, c.w.format, c.s.activation, g1, e1, static_cast<int>(c.plan.n1_tiles),
@@ -432,6 +438,7 @@ GemmProblem gemm1(const Call& c, const Chunk& ch) {
 // 6. GEMM2: o per (token, slot) entry.
 void gemm2(const Call& c, const GemmProblem& g1) {
   GemmProblem g2 = with_split(c, g1, c.plan.split2);
+  g2.wait_late = 0;
   g2.A = c.b.act;
   g2.lda = c.s.I;
   g2.K = static_cast<int>(c.s.I);

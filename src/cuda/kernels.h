@@ -86,6 +86,10 @@ static_assert(sizeof(LoraProj) == 32 && sizeof(LoraSlot) == 160, "LoraSlot layou
 struct LoraExpandParams {
   const LoraSlot* table = nullptr;      // null: no LoRA in this call
   const int32_t* token_slot = nullptr;  // [chunk tokens] checked slot, -1 = base
+  // Or, where GEMM1 runs beside the x shrink that writes token_slot (GemmProblem::wait_late), the call's adapter ids
+  // checked as the x shrink checks them (its flag is the x shrink's to raise).
+  const int32_t* adapter_ids = nullptr;
+  int num_slots = 0;
   const float* t = nullptr;             // shrink rows (kernels.h LoraShrink*), stride t_stride
   int t_stride = 0;
   int which = kLoraGateUp;              // a_shared A: the t row is the token's first entry, token * token_div
@@ -218,6 +222,9 @@ struct GemmProblem {
   // entry_ids[m] - local_offset (the tile is empty when that is not in [0, E_loc)), its row the entry.
   const int32_t* entry_ids = nullptr;
   int local_offset = 0, E_loc = 0;
+  // The weights-as-A kernel's PDL wait before its epilogue instead of before its mainloop (MoePlan::
+  // gemm1_beside_x_shrink): the mainloop reads only what kernels before the predecessor wrote.
+  int wait_late = 0;
 };
 
 // GEMM1 epilogue: h = acc * s_half[e] * row_scale[token] (+bias) (+delta); a = act(g, u); bf16.

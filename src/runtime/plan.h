@@ -92,6 +92,9 @@ struct MoePlan {
   // routed grids then have the chunk's entries as m tiles, at most max_m_tiles, which still sizes the workspace and
   // the split choice.
   bool entry_tiles = false;
+  // With LoRA under entry tiles, on the decode tile: GEMM1's PDL wait (for the x shrink) moves from before its
+  // mainloop to before its epilogue, the only part that reads the shrink (its t rows; the slots from adapter_ids).
+  bool gemm1_beside_x_shrink = false;
 
   // Grouped GEMMs.
   int gemm_config = 0;          // index into kGemmConfigs

@@ -41,6 +41,11 @@ constexpr int kWeightsAsASmemPerSm = 0;
 template <class Cfg> constexpr int kWeightsAsAMinBlocks =
     Cfg::WGMMA ? 2 : std::max(1, kWeightsAsASmemPerSm / (Cfg::SMEM_BYTES + 1024));
 
+// GemmProblem::wait_late: only where the LoRA lookup before the mainloop reads no t values (no staged t0).
+template <class Cfg, class Epi, class Act> __device__ __forceinline__ bool waits_late(const GemmProblem& g) {
+  return !WeightsAsAEpilogue<Cfg, Epi, Act>::kStageT0 && g.wait_late;
+}
+
 // One block tile (rows tr, weight rows [nb, nb + BN), k-blocks kr) through the pipeline `pipe` (TilePipeline), then
 // its epilogue; a split tile's blocks but the last return without an epilogue.
 template <class Cfg, class Epi, class Act, class Pipe>
@@ -103,6 +108,10 @@ __device__ __forceinline__ void weights_as_a_tile(const GemmProblem& g, const ty
 
   if (g.split > 1)
     if (!split.reduce_last(acc)) return;
+  if (waits_late<Cfg, Epi, Act>(g)) {  // the epilogue's expand reads the x shrink's t rows (the predecessor's)
+    dev::pdl_wait();
+    dev::pdl_launch_dependents();
+  }
   if constexpr (Cfg::FP4 && !Cfg::WGMMA) unscale_products(acc);  // wgmma: group by group below
 
   Epilogue epi(ep, tr, n0, s_lora_rows, s_lora_t0, s_row_pre);
@@ -136,8 +145,10 @@ __global__ void __launch_bounds__(Cfg::BLOCK_THREADS, kWeightsAsAMinBlocks<Cfg>)
     weights_as_a_gemm_kernel(GemmProblem g, typename Epi::Params ep) {
   extern __shared__ __align__(128) uint8_t smem_raw[];
   uint8_t* smem = stage_base<Cfg>(smem_raw);
-  dev::pdl_wait();
-  dev::pdl_launch_dependents();
+  if (!waits_late<Cfg, Epi, Act>(g)) {
+    dev::pdl_wait();
+    dev::pdl_launch_dependents();
+  }
   const int KB = static_cast<int>(g.B.Kp / Cfg::BK);
   int m, n, z;
   int64_t tile_lin;
