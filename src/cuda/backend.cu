@@ -411,7 +411,7 @@ GemmProblem gemm1(const Call& c, const Chunk& ch) {
     g1.local_offset = c.local_offset();
     g1.E_loc = static_cast<int>(c.w.E);
   }
-  g1.wait_late = c.lora && c.plan.gemm1_beside_x_shrink ? 1 : 0;
+  g1.wait_late = c.plan.gemm1_beside_x_shrink ? 1 : 0;
   g1.B = c.dw->w1;
   Epilogue1Params e1 = epilogue1_for(*c.dw, c.b.act, static_cast<int>(k), c.a4 ? c.b.x_scale : nullptr);
   e1.delta = a.gate_up_lora_delta.present()

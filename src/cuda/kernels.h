@@ -80,6 +80,10 @@ struct LoraSlot {
   int32_t pad[7] = {};
 };
 static_assert(sizeof(LoraProj) == 32 && sizeof(LoraSlot) == 160, "LoraSlot layout");
+// A token's adapter id as a slot: -1 unless it names a loaded slot (the x shrink and GEMM1 beside it check alike).
+FP4MOE_HD int checked_slot(const LoraSlot* table, int num_slots, int id) {
+  return id >= 0 && id < num_slots && table[id].loaded ? id : -1;
+}
 
 // The expand of one GEMM epilogue: delta[n] = bf16(sum_i t[row][i] * B_e[n][i]), fp32 sums of k16 mma steps
 // (lora_expand.cuh), added to every output (+0 without LoRA).

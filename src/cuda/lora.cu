@@ -182,10 +182,10 @@ __global__ void __launch_bounds__(512) lora_shrink1_kernel(LoraShrink1Params p, 
   int slot = -1;
   LoraProj gu{}, sg{};
   if (threadIdx.x == 0) {
-    // The only place adapter_ids are read: anything but -1 or a loaded slot is dropped (base) and flagged (by the
-    // token's first block, which also publishes the slot).
+    // Where adapter_ids are flagged (GEMM1 beside this kernel reads them with the same check): anything but -1 or a
+    // loaded slot is dropped (base) and flagged (by the token's first block, which also publishes the slot).
     const int id = p.adapter_ids[t];
-    if (id >= 0 && id < p.num_slots && p.table[id].loaded) slot = id;
+    slot = checked_slot(p.table, p.num_slots, id);
     if (slot >= 0) {
       gu = p.table[slot].proj[kLoraGateUp];
       if (p.shared_expert) sg = p.table[slot].proj[kLoraSharedGateUp];

@@ -30,13 +30,7 @@ __device__ __forceinline__ LoraRowRef lora_row_ref(const LoraExpandParams& L, in
   LoraRowRef rr;
   const int token = entry / token_div;
   if (!L.table) return rr;
-  int slot;
-  if (L.adapter_ids) {
-    const int id = L.adapter_ids[token];
-    slot = id >= 0 && id < L.num_slots && L.table[id].loaded ? id : -1;
-  } else {
-    slot = L.token_slot[token];
-  }
+  const int slot = L.adapter_ids ? checked_slot(L.table, L.num_slots, L.adapter_ids[token]) : L.token_slot[token];
   if (slot < 0) return rr;
   const LoraProj& pj = L.table[slot].proj[L.which];
   if (pj.r <= 0 || pj.b_shared) return rr;
