@@ -207,6 +207,14 @@ LoraExpandParams expand(const Call& c, const float* t, int64_t stride, int which
   return L;
 }
 
+// A GEMM that runs its mainloop beside a LoRA shrink (GemmProblem::wait_late) may start before the x shrink wrote
+// token_slot: its epilogue checks the tokens' slots from the call's adapter ids, as the x shrink does.
+void slots_from_adapter_ids(const Call& c, const Chunk& ch, LoraExpandParams& L) {
+  L.token_slot = nullptr;
+  L.adapter_ids = static_cast<const int32_t*>(c.args.adapter_ids.data) + ch.t0;
+  L.num_slots = static_cast<int>(c.adapters->size());
+}
+
 // A4: GEMM1's bf16 output a [rows, width] -> NVFP4 values in place, with the FC2 input encode scale
 // (row_count: the routed rows actually present, on the device; null: all rows).
 void quantize_fc2_input(const Call& c, uint16_t* a, int64_t width, int rows, const int32_t* row_count) {
@@ -411,7 +419,7 @@ GemmProblem gemm1(const Call& c, const Chunk& ch) {
     g1.local_offset = c.local_offset();
     g1.E_loc = static_cast<int>(c.w.E);
   }
-  g1.wait_late = c.plan.gemm1_beside_x_shrink ? 1 : 0;
+  g1.wait_late = c.plan.gemms_beside_lora_shrinks ? 1 : 0;
   g1.B = c.dw->w1;
   Epilogue1Params e1 = epilogue1_for(*c.dw, c.b.act, static_cast<int>(k), c.a4 ? c.b.x_scale : nullptr);
   e1.delta = a.gate_up_lora_delta.present()
@@ -423,11 +431,7 @@ GemmProblem gemm1(const Call& c, const Chunk& ch) {
   e1.defaults = c.defaults;
   e1.act_out = act_out;
   e1.lora = expand(c, c.b.lora_t1, c.plan.lora_r1_stride, kLoraGateUp);
-  if (g1.wait_late) {  // token_slot is the x shrink's, which runs beside this GEMM's mainloop
-    e1.lora.token_slot = nullptr;
-    e1.lora.adapter_ids = static_cast<const int32_t*>(c.args.adapter_ids.data) + ch.t0;
-    e1.lora.num_slots = static_cast<int>(c.adapters->size());
-  }
+  if (g1.wait_late) slots_from_adapter_ids(c, ch, e1.lora);
   e1.a_quant_gs = c.a4_fused ? 1.f / a.fc2_input_scale : 0.f;
   g1 = with_split(c, g1, c.plan.split1);
   launch_gemm1(c.plan.gemm_config, c.w.format, c.s.activation, g1, e1, static_cast<int>(c.plan.n1_tiles),
@@ -436,9 +440,9 @@ GemmProblem gemm1(const Call& c, const Chunk& ch) {
 }
 
 // 6. GEMM2: o per (token, slot) entry.
-void gemm2(const Call& c, const GemmProblem& g1) {
+void gemm2(const Call& c, const Chunk& ch, const GemmProblem& g1) {
   GemmProblem g2 = with_split(c, g1, c.plan.split2);
-  g2.wait_late = 0;
+  g2.wait_late = c.plan.gemms_beside_lora_shrinks ? 1 : 0;  // the a shrink lets it in after GEMM1 finished
   g2.A = c.b.act;
   g2.lda = c.s.I;
   g2.K = static_cast<int>(c.s.I);
@@ -447,6 +451,7 @@ void gemm2(const Call& c, const GemmProblem& g1) {
   g2.B = c.dw->w2;
   Epilogue2Params e2 = epilogue2_for(*c.dw, c.b.out, c.k(), c.fc2_scale);
   e2.lora = expand(c, c.b.lora_t2, c.plan.lora_r2_stride, kLoraDown);
+  if (g2.wait_late) slots_from_adapter_ids(c, ch, e2.lora);
   launch_gemm2(c.plan.gemm_config, c.w.format, g2, e2, static_cast<int>(c.plan.n2_tiles),
                g2.max_tiles, c.stream);
 }
@@ -528,7 +533,7 @@ void run_chunk(const Call& c, int64_t chunk) {
     lora_shrink_act(c, ch, c.b.act, c.s.I, ch.rows, kLoraDown, c.b.lora_t2, true);
   // 5. A4: a -> NVFP4 values with the FC2 input encode scale (fused in GEMM1's epilogue where the tile can).
   if (c.a4 && !c.a4_fused) quantize_fc2_input(c, c.b.act, c.s.I, ch.rows, c.b.expert_offsets + c.w.E);
-  gemm2(c, g1);
+  gemm2(c, ch, g1);
   if (c.sw) shared_expert(c, ch);
   combine(c, ch);
 }

@@ -90,7 +90,7 @@ FP4MOE_HD int checked_slot(const LoraSlot* table, int num_slots, int id) {
 struct LoraExpandParams {
   const LoraSlot* table = nullptr;      // null: no LoRA in this call
   const int32_t* token_slot = nullptr;  // [chunk tokens] checked slot, -1 = base
-  // Or, where GEMM1 runs beside the x shrink that writes token_slot (GemmProblem::wait_late), the call's adapter ids
+  // Or, where a GEMM runs beside a LoRA shrink, before the x shrink wrote token_slot (GemmProblem::wait_late), the call's adapter ids
   // checked as the x shrink checks them (its flag is the x shrink's to raise).
   const int32_t* adapter_ids = nullptr;
   int num_slots = 0;
@@ -227,7 +227,7 @@ struct GemmProblem {
   const int32_t* entry_ids = nullptr;
   int local_offset = 0, E_loc = 0;
   // The weights-as-A kernel's PDL wait before its epilogue instead of before its mainloop (MoePlan::
-  // gemm1_beside_x_shrink): the mainloop reads only what kernels before the predecessor wrote.
+  // gemms_beside_lora_shrinks): the mainloop reads only what kernels before the predecessor wrote.
   int wait_late = 0;
 };
 

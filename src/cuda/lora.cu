@@ -328,6 +328,9 @@ __global__ void __launch_bounds__(512) lora_shrink2_kernel(LoraShrink2Params p) 
   // Before the wait, the row's adapter: from the permutation (if any), the routing and the x shrink, which finished
   // before the GEMM that wrote a (this kernel's predecessor) let this one start.
   const int row = static_cast<int>(blockIdx.x);
+  // Block 0 waits even without a LoRA row: GEMM2 beside this kernel starts its mainloop (GEMM1's a) only after a
+  // block of this one saw GEMM1 finish.
+  if (row == 0) dev::pdl_wait();
   if (p.row_count && row >= *p.row_count) return;  // rows the permutation did not fill
   int entry = row, token = row, e = 0;
   if (p.ids) {  // routed: permuted rows, or under entry tiles the entries themselves

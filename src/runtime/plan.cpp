@@ -239,10 +239,11 @@ MoePlan make_plan(const ProblemShape& shape) {
   // 48.7 -> 45.9 us; on every grid it ranged 0.94-1.08 (kimi_k3_tp8 T=8 1.077), so it is kept to grids of mostly
   // empty tiles.
   p.gemm_m_last = p.max_m_tiles > 0 && 2 * p.split_m_tiles <= p.max_m_tiles;
-  // With LoRA under entry tiles GEMM1 follows the x shrink but needs only the routing before its epilogue: on the
-  // decode tile (whose LoRA lookup reads no t values) its mainloop runs beside the shrink.
-  // Measured 2026-12-03 (bench/NOTES.md): 96 LoRA cases at T = 1..8 median 0.959, T=1 0.91-0.94 on every shape.
-  p.gemm1_beside_x_shrink =
+  // With LoRA under entry tiles each GEMM follows a shrink but needs it only in its epilogue: on the decode tile
+  // (whose LoRA lookup reads no t values) GEMM1's mainloop runs beside the x shrink, GEMM2's beside the a shrink.
+  // Measured 2026-12-03 (bench/NOTES.md), 96 LoRA cases at T = 1..8 each: GEMM1's median 0.959 (T=1 0.91-0.94),
+  // GEMM2's then 0.977 (T=1 0.93-0.97).
+  p.gemms_beside_lora_shrinks =
       p.entry_tiles && s.has_lora && p.gemm_config == static_cast<int>(GemmTile::SplitKDecode);
   const int64_t tile_info_tiles = std::max(p.max_m_tiles, m_tiles_of(g0));
   p.gemm_smem = static_cast<size_t>(gemm_smem_bytes(g, s.format == WeightFormat::NVFP4));

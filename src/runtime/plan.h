@@ -92,9 +92,10 @@ struct MoePlan {
   // routed grids then have the chunk's entries as m tiles, at most max_m_tiles, which still sizes the workspace and
   // the split choice.
   bool entry_tiles = false;
-  // With LoRA under entry tiles, on the decode tile: GEMM1's PDL wait (for the x shrink) moves from before its
-  // mainloop to before its epilogue, the only part that reads the shrink (its t rows; the slots from adapter_ids).
-  bool gemm1_beside_x_shrink = false;
+  // With LoRA under entry tiles, on the decode tile: GEMM1's PDL wait (for the x shrink) and GEMM2's (for the a shrink)
+  // move from before their mainloops to before their epilogues, the only part that reads the shrink's t rows (the
+  // slots come from adapter_ids); each GEMM's mainloop runs beside the shrink before it.
+  bool gemms_beside_lora_shrinks = false;
 
   // Grouped GEMMs.
   int gemm_config = 0;          // index into kGemmConfigs

@@ -128,8 +128,8 @@ void check_plan(const ProblemShape& s, std::mt19937_64& rng) {
   EXPECT_EQ(p.lora_shrink1_permutes, p.shape.has_lora && !p.entry_tiles && p.perm_blocks == 1 &&
                                          p.rows <= kShrinkPermuteRows && E <= 1024);
   if (p.entry_tiles) EXPECT_FALSE(p.lora_shrink_tiled);  // the tiled shrinks read the permutation's tiles
-  // GEMM1 beside the x shrink: with LoRA under entry tiles, on the decode tile only (its lookup reads no t values).
-  EXPECT_EQ(p.gemm1_beside_x_shrink, p.entry_tiles && p.shape.has_lora &&
+  // The GEMMs beside the LoRA shrinks: under entry tiles, on the decode tile only (its lookup reads no t values).
+  EXPECT_EQ(p.gemms_beside_lora_shrinks, p.entry_tiles && p.shape.has_lora &&
                                          p.gemm_config == static_cast<int>(GemmTile::SplitKDecode));
   if (p.lora_shrink1_permutes) EXPECT_GE(p.lora_shrink1_threads, 32);
   struct SplitCase { int split; int64_t m_tiles, n_tiles, k_pad; };
@@ -456,8 +456,8 @@ TEST(Plan, EntryTilesAtDecodeFromLogits) {
   o.has_lora = true;  // the LoRA shrinks go by entry, the x shrink's launch permutes nothing
   EXPECT_TRUE(make_plan(o).entry_tiles);
   EXPECT_FALSE(make_plan(o).lora_shrink1_permutes);
-  EXPECT_TRUE(make_plan(o).gemm1_beside_x_shrink);
-  EXPECT_FALSE(make_plan(s).gemm1_beside_x_shrink);  // no LoRA: GEMM1 follows the routing
+  EXPECT_TRUE(make_plan(o).gemms_beside_lora_shrinks);
+  EXPECT_FALSE(make_plan(s).gemms_beside_lora_shrinks);  // no LoRA: GEMM1 follows the routing
   o = s;
   o.mode = ActMode::A4;
   EXPECT_FALSE(make_plan(o).entry_tiles);
