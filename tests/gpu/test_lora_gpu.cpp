@@ -187,16 +187,20 @@ std::vector<int32_t> cycle_ids(int64_t T, int num_slots) {
 }
 
 // ---- the three layouts, ranks 1..64 mixed in one batch ---------------------------------------------------
-void layouts_case(Case c, const char* label) {
-  auto layer = make_layer(c);
-  Registries R(*layer, 10);
+void load_mixed_layouts(Registries& R, const Layer& layer) {
   const AdapterSpec specs[] = {
       {LoraLayout::PerExpert, 1, false, false, 101},  {LoraLayout::PeftFused, 8, false, false, 102},
       {LoraLayout::SharedOuter, 16, false, false, 103}, {LoraLayout::PerExpert, 64, false, false, 104},
       {LoraLayout::PeftFused, 64, false, false, 105}, {LoraLayout::SharedOuter, 1, false, false, 106},
       {LoraLayout::PerExpert, 16, false, false, 107}, {LoraLayout::SharedOuter, 64, false, false, 108},
   };
-  for (int i = 0; i < 8; ++i) R.load(i, *layer, specs[i]);
+  for (int i = 0; i < 8; ++i) R.load(i, layer, specs[i]);
+}
+
+void layouts_case(Case c, const char* label) {
+  auto layer = make_layer(c);
+  Registries R(*layer, 10);
+  load_mixed_layouts(R, *layer);
   check_against_reference(c, *layer, R, cycle_ids(c.T, 8), label);
 }
 
@@ -387,6 +391,41 @@ void invariants(ActMode mode) {
 TEST(GpuLoraInvariants, BitIdentityA16) { FP4MOE_SKIP_WITHOUT_GPU(); invariants(ActMode::A16); }
 TEST(GpuLoraInvariants, BitIdentityA4) { FP4MOE_SKIP_WITHOUT_GPU(); invariants(ActMode::A4); }
 
+// Every GEMM tile forced in turn (MoeArgs::gemm_tile) gives the bits y of the plan's own choice; leaves Auto set.
+void expect_same_bits_on_every_tile(LoraCall& call, const Layer& layer, Registries& R, const std::vector<int32_t>& ids,
+                                    const std::vector<uint16_t>& y) {
+  for (int tile = 0; tile < kNumGemmConfigs; ++tile) {
+    if (kGemmConfigs[tile].wgmma && !cuda_backend::wgmma_supported_on(0)) continue;
+    call.g->args.gemm_tile = static_cast<GemmTile>(tile);
+    EXPECT_TRUE(call.run(layer, R.gpu.get(), ids) == y) << "tile " << tile << " differs";
+  }
+  call.g->args.gemm_tile = GemmTile::Auto;
+}
+
+// ---- many adapters in one tile: at 80 rows an expert of nine adapter classes (base and eight slots), ranks 1, 8,
+// 16 and 64 and the three layouts, every tile's epilogue runs several adapter passes a token group; against the
+// reference, and the same bits on every tile ---------------------------------------------------------------------
+TEST(GpuLora, ManyAdaptersATileEveryTile) {
+  FP4MOE_SKIP_WITHOUT_GPU();
+  Case c;
+  c.shape = model("qwen3_30b_a3b");
+  c.E_loc = c.E_total = 16;
+  c.T = 160;  // 1280 rows: 80 an expert, of nine adapter classes (base and eight slots)
+  c.check_tokens = 12;
+  c.seed = 95;
+  auto layer = make_layer(c);
+  Registries R(*layer, 10);
+  load_mixed_layouts(R, *layer);
+  const std::vector<int32_t> ids = cycle_ids(c.T, 8);
+  check_against_reference(c, *layer, R, ids, "many adapters a tile");
+  Inputs in = make_inputs(c);
+  LoraCall call{make_gpu_call(c, in, *layer), DevBuf()};
+  const std::vector<uint16_t> y = call.run(*layer, R.gpu.get(), ids);
+  EXPECT_EQ(count_poison(y), 0);
+  expect_same_bits_on_every_tile(call, *layer, R, ids, y);
+  EXPECT_NO_THROW(check_device_errors(0));
+}
+
 // ---- the tiled LoRA shrinks (many rows an expert, many tiles: plan.lora_shrink_tiled) give the per-token and per-row
 // kernels' bits: a 2400-token batch (tiled) against sub-batches of its tokens (per-token), every layout mixed -------
 TEST(GpuLoraInvariants, TiledShrinkEqualsPerTokenShrink) {
@@ -418,12 +457,7 @@ TEST(GpuLoraInvariants, TiledShrinkEqualsPerTokenShrink) {
   EXPECT_EQ(count_poison(y), 0);
   // The full batch with every tile forced (MoeArgs::gemm_tile: the plan's 64-token wgmma tile at 1200 rows an expert,
   // the mma.sync tiles it takes for kimi's thin experts, I = 384, below 80): the same bits.
-  for (int tile = 0; tile < kNumGemmConfigs; ++tile) {
-    if (kGemmConfigs[tile].wgmma && !cuda_backend::wgmma_supported_on(0)) continue;
-    call.g->args.gemm_tile = static_cast<GemmTile>(tile);
-    EXPECT_TRUE(call.run(*layer, R.gpu.get(), ids) == y) << "tile " << tile << " differs";
-  }
-  call.g->args.gemm_tile = GemmTile::Auto;
+  expect_same_bits_on_every_tile(call, *layer, R, ids, y);
   expect_sub_batch_equal(c, in, *layer, R, ids, {1, 2, 3, 4, 6, 1201, 2399}, y, "with the per-token shrinks");
   EXPECT_NO_THROW(check_device_errors(0));
 }
