@@ -144,9 +144,10 @@ MoePlan make_plan(const ProblemShape& shape) {
   // other). Any choice gives the same bits (every tile follows the same K order), so it may depend on T without
   // breaking batch invariance. Measurements behind each threshold: bench/NOTES.md, "Plan choices".
   const int64_t avg_rows = ceil_div(p.rows, s.E_total);
-  // sm_90a: the wgmma tile from 32 expected rows a local expert (rows / E_total under EP); with LoRA on thin
-  // experts (I <= 768) from 80, below which its per-adapter epilogue passes cost more than its wider MMA saves.
-  const bool lora_thin = s.has_lora && s.I <= 768 && p.rows < 80 * s.E_total;
+  // sm_90a: the wgmma tile from 32 expected rows a local expert (rows / E_total under EP); with LoRA on the thinnest
+  // experts (qwen3_30b_a3b_tp4, I = 192: 1.13-1.18x at 64 rows against the 32-row tile) from 80. kimi_k3_tp8 (I = 384)
+  // and qwen3_30b_a3b (768) gain from 32 rows with LoRA too (2026-12-04: 0.87-0.98 at 32-64 rows).
+  const bool lora_thin = s.has_lora && s.I <= kLoraThinI && p.rows < kLoraThinRows * s.E_total;
   // Layers of few experts (mixtral_8x7b: 8, I = 14336): the 32-row mma.sync tile ran slower than the 8-row tile
   // up to 8 rows an expert and than the wgmma tile above, so it is skipped there.
   // The 16-row tile from 5 to 12 expected rows (measured 2026-12-03 against the 32-row tile: gpt_oss_120b T=256

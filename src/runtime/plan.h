@@ -201,6 +201,9 @@ constexpr int64_t kOneBlockPermEntries = 1024;
 constexpr int64_t kShrinkPermuteRows = 256;
 // A layer of at most this many experts (E_total) skips the 32-row mma.sync tile (make_plan's tile choice).
 constexpr int64_t kFewExperts = 16;
+// With LoRA on experts this thin (I <= kLoraThinI) the wgmma tile waits for kLoraThinRows expected rows an expert, not
+// 32 (make_plan's tile choice; measured on qwen3_30b_a3b_tp4, I = 192: bench/NOTES.md).
+constexpr int64_t kLoraThinI = 256, kLoraThinRows = 80;
 
 constexpr int kNumGemmConfigs = 5;
 inline constexpr GemmConfig kGemmConfigs[kNumGemmConfigs] = {

@@ -40,7 +40,7 @@ void check_plan(const ProblemShape& s, std::mt19937_64& rng) {
     const MoePlan pw = make_plan(w);
     EXPECT_EQ(pw.workspace_bytes, p.workspace_bytes);
     const int64_t E_total = s.E_total == 0 ? s.E_loc : s.E_total;
-    const bool lora_thin = s.has_lora && s.I <= 768 && p.rows < 80 * E_total;
+    const bool lora_thin = s.has_lora && s.I <= kLoraThinI && p.rows < kLoraThinRows * E_total;
     // Layers of at most kFewExperts experts take it above 12 rows an expert too (the 16-row tile from 9 to 12).
     const bool few = E_total <= kFewExperts;
     const bool wgmma_tile = (p.rows >= 32 * E_total && !lora_thin) || (few && p.rows > 12 * E_total);
