@@ -256,7 +256,7 @@ void route(const Call& c, Chunk& ch) {
     rp.zero_counters = c.b.split_counters;
     rp.num_counters = static_cast<int>(c.plan.split_counters.bytes / 4);
   }
-  launch_routing(rp, c.plan.routing_warps_per_block, c.plan.routing_smem, c.stream);
+  launch_routing(rp, c.plan.routing_warps_per_block, c.plan.routing_warps_per_token, c.plan.routing_smem, c.stream);
   ch.launched = true;
   ch.ids = c.b.ids;
   ch.wts = c.b.wts;

@@ -308,7 +308,9 @@ struct CombineParams {
 };
 
 // ---- launchers (all on `stream`, each checked) ---------------------------------------------------
-void launch_routing(const RoutingParams& p, int warps_per_block, size_t smem, cudaStream_t stream);
+// warps_per_token > 0: a block a token (MoePlan::routing_warps_per_token), else warps_per_block tokens a block.
+void launch_routing(const RoutingParams& p, int warps_per_block, int warps_per_token, size_t smem,
+                    cudaStream_t stream);
 void launch_permute(const PermuteParams& p, cudaStream_t stream);
 // After launch_permute, with LoRA: each expert's rows sorted by (adapter slot, entry) (permute.cu).
 void launch_order_by_adapter(const PermuteParams& p, cudaStream_t stream);

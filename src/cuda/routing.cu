@@ -87,6 +87,73 @@ __device__ __forceinline__ float read_logit(const RoutingParams& p, int t, int e
                        : static_cast<const float*>(p.logits)[off];
 }
 
+// The ids and weights of token t from its chosen experts (lane l holds the ids of slots l and l + 32, k <= 64) and
+// its scores sel[E] (shared memory), on one warp: the same code for a warp a token and a block a token.
+template <RoutingMethod M>
+__device__ __forceinline__ void route_weights(const RoutingParams& p, int t, const float* sel, const int (&my_id)[2]) {
+  const int lane = threadIdx.x & 31;
+  const int k = p.k;
+  constexpr RoutingMethod method = M;
+  int* ids = p.ids + static_cast<int64_t>(t) * k;
+  float* w = p.weights + static_cast<int64_t>(t) * k;
+  // Weights, in parallel over the slots; the sums over slots run in slot order (the reference's order)
+  // on every lane through shuffles. v: the value each slot's weight is made from.
+  float v[2] = {0.f, 0.f};
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    if (lane + 32 * h >= k) continue;
+    const int id = my_id[h];
+    ids[lane + 32 * h] = id;
+    v[h] = (method == RoutingMethod::DeepSeekV3 || method == RoutingMethod::MiniMax2) ? act::sigmoid(read_logit(p, t, id))
+                                                                                       : sel[id];
+  }
+  auto slot_sum = [&](const float x[2]) {  // sum over slots 0, 1, ..., k-1 of x, left to right
+    float acc = 0.f;
+#pragma unroll 1
+    for (int j = 0; j < k; ++j) acc += __shfl_sync(0xffffffffu, j < 32 ? x[0] : x[1], j & 31);
+    return acc;
+  };
+  float out[2] = {v[0], v[1]};
+  const float rsf = p.routed_scaling_factor;
+  switch (method) {
+    case RoutingMethod::Default:
+    case RoutingMethod::TopK:
+    case RoutingMethod::Sigmoid:
+      break;
+    case RoutingMethod::RenormalizeNaive: {
+      const float cs = slot_sum(v);
+      for (int h = 0; h < 2; ++h) out[h] = v[h] / cs;
+      break;
+    }
+    case RoutingMethod::Renormalize: {  // softmax over the chosen k; the max is slot 0's logit
+      const float mx = __shfl_sync(0xffffffffu, v[0], 0);
+      for (int h = 0; h < 2; ++h) out[h] = expf(v[h] - mx);
+      const float sum = slot_sum(out);
+      for (int h = 0; h < 2; ++h) out[h] = out[h] / sum;
+      break;
+    }
+    case RoutingMethod::Llama4:
+    case RoutingMethod::TopKSigmoid:
+      for (int h = 0; h < 2; ++h) out[h] = act::sigmoid(v[h]);
+      break;
+    case RoutingMethod::SigmoidRenorm: {
+      const float cs = slot_sum(v);
+      for (int h = 0; h < 2; ++h) out[h] = v[h] / (cs + 1e-20f);
+      break;
+    }
+    case RoutingMethod::DeepSeekV3:
+    case RoutingMethod::MiniMax2: {
+      const float cs = slot_sum(v);
+      for (int h = 0; h < 2; ++h)
+        out[h] = method == RoutingMethod::DeepSeekV3 ? __fdiv_rn(__fmul_rn(v[h], rsf), cs + 1e-20f)
+                                                     : __fmul_rn(__fdiv_rn(v[h], cs + 1e-20f), rsf);
+      break;
+    }
+  }
+  for (int h = 0; h < 2; ++h)
+    if (lane + 32 * h < k) w[lane + 32 * h] = out[h];
+}
+
 // One token's routing on one warp: sel[E] (scores) and keys[E] (the bias first, then the top-k keys), both in this
 // warp's shared memory. Written as rolled loops over shared memory on purpose: at T = 1 this
 // kernel is a single warp whose time follows the code it runs through, not its instruction count (ncu, H200,
@@ -221,64 +288,7 @@ __device__ __forceinline__ void route_token(const RoutingParams& p, int t, float
   // back from memory.
   int my_id[2] = {-1, -1};
   topk_cached(keys, E, k, my_id);
-  int* ids = p.ids + static_cast<int64_t>(t) * k;
-  float* w = p.weights + static_cast<int64_t>(t) * k;
-  // Weights, in parallel over the slots; the sums over slots run in slot order (the reference's order)
-  // on every lane through shuffles. v: the value each slot's weight is made from.
-  float v[2] = {0.f, 0.f};
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    if (lane + 32 * h >= k) continue;
-    const int id = my_id[h];
-    ids[lane + 32 * h] = id;
-    v[h] = (method == RoutingMethod::DeepSeekV3 || method == RoutingMethod::MiniMax2) ? act::sigmoid(read_logit(p, t, id))
-                                                                                       : sel[id];
-  }
-  auto slot_sum = [&](const float x[2]) {  // sum over slots 0, 1, ..., k-1 of x, left to right
-    float acc = 0.f;
-#pragma unroll 1
-    for (int j = 0; j < k; ++j) acc += __shfl_sync(0xffffffffu, j < 32 ? x[0] : x[1], j & 31);
-    return acc;
-  };
-  float out[2] = {v[0], v[1]};
-  const float rsf = p.routed_scaling_factor;
-  switch (method) {
-    case RoutingMethod::Default:
-    case RoutingMethod::TopK:
-    case RoutingMethod::Sigmoid:
-      break;
-    case RoutingMethod::RenormalizeNaive: {
-      const float cs = slot_sum(v);
-      for (int h = 0; h < 2; ++h) out[h] = v[h] / cs;
-      break;
-    }
-    case RoutingMethod::Renormalize: {  // softmax over the chosen k; the max is slot 0's logit
-      const float mx = __shfl_sync(0xffffffffu, v[0], 0);
-      for (int h = 0; h < 2; ++h) out[h] = expf(v[h] - mx);
-      const float sum = slot_sum(out);
-      for (int h = 0; h < 2; ++h) out[h] = out[h] / sum;
-      break;
-    }
-    case RoutingMethod::Llama4:
-    case RoutingMethod::TopKSigmoid:
-      for (int h = 0; h < 2; ++h) out[h] = act::sigmoid(v[h]);
-      break;
-    case RoutingMethod::SigmoidRenorm: {
-      const float cs = slot_sum(v);
-      for (int h = 0; h < 2; ++h) out[h] = v[h] / (cs + 1e-20f);
-      break;
-    }
-    case RoutingMethod::DeepSeekV3:
-    case RoutingMethod::MiniMax2: {
-      const float cs = slot_sum(v);
-      for (int h = 0; h < 2; ++h)
-        out[h] = method == RoutingMethod::DeepSeekV3 ? __fdiv_rn(__fmul_rn(v[h], rsf), cs + 1e-20f)
-                                                     : __fmul_rn(__fdiv_rn(v[h], cs + 1e-20f), rsf);
-      break;
-    }
-  }
-  for (int h = 0; h < 2; ++h)
-    if (lane + 32 * h < k) w[lane + 32 * h] = out[h];
+  route_weights<M>(p, t, sel, my_id);
 }
 
 template <RoutingMethod M> __global__ void routing_kernel(RoutingParams p) {
@@ -294,6 +304,83 @@ template <RoutingMethod M> __global__ void routing_kernel(RoutingParams p) {
   route_token<M>(p, t, sel, reinterpret_cast<uint32_t*>(sel + p.E));
 }
 
+// A block a token (a few tokens, MoePlan::routing_warps_per_token): thread e scores expert e (E <= 32 x warps),
+// each warp ranks its 32 keys by shuffles and keeps its best min(k, 32), then every kept candidate counts the
+// better ones among all warps' (a 64-bit key: the score key, then the lower id); the k best take their slots.
+// The same order as topk_cached (ties to the lower id, NaN last), and route_weights makes the weights: the
+// bits of a warp a token. One warp walked E / 32 experts per loop in series there (kimi_k3_tp8: 12).
+template <RoutingMethod M> __global__ void routing_block_kernel(RoutingParams p) {
+  dev::pdl_wait();
+  dev::pdl_launch_dependents();
+  if (blockIdx.x == 0)  // entry tiles: as routing_kernel
+    for (int c = static_cast<int>(threadIdx.x); c < p.num_counters; c += static_cast<int>(blockDim.x)) p.zero_counters[c] = 0;
+  static_assert(M != RoutingMethod::Default && M != RoutingMethod::RenormalizeNaive, "no sum over the experts");
+  constexpr RoutingMethod method = M;
+  extern __shared__ uint64_t smem64[];
+  const int E = p.E, k = p.k, kk = min(k, 32), t = static_cast<int>(blockIdx.x);
+  const int e = static_cast<int>(threadIdx.x), lane = e & 31, warp = e >> 5, W = static_cast<int>(blockDim.x >> 5);
+  float* sel = reinterpret_cast<float*>(smem64);
+  uint64_t* cand = smem64 + (E + 1) / 2;   // [W][kk]
+  int* s_ids = reinterpret_cast<int*>(cand + W * kk);  // [k]
+  const bool with_bias = p.bias && (method == RoutingMethod::DeepSeekV3 || method == RoutingMethod::MiniMax2);
+
+  // Scores and keys (the warp kernel's arithmetic, an expert a thread).
+  uint32_t key = 0;  // 0: no expert
+  bool bad = false;
+  if (e < E) {
+    const float x = read_logit(p, t, e);
+    float v = x;
+    if (method == RoutingMethod::Sigmoid || method == RoutingMethod::SigmoidRenorm) {
+      v = act::sigmoid(x);
+    } else if (method == RoutingMethod::DeepSeekV3 || method == RoutingMethod::MiniMax2) {
+      const float sg = act::sigmoid(x);
+      if (with_bias) {
+        const float b = p.bias[e];
+        bad = !isfinite(b);
+        v = sg + b;
+      } else {
+        v = sg;
+      }
+    }
+    sel[e] = v;
+    key = rank_key(v);
+  }
+  if (with_bias && t == 0 && p.error_flag && __syncthreads_or(bad) && e == 0) atomicExch(p.error_flag, kErrRoutingBias);
+  // This warp's rank of its key (the better keys, then the equal ones of lower id: lower lanes).
+  int r = 0;
+#pragma unroll 1
+  for (int j = 0; j < 32; ++j) {
+    const uint32_t kj = __shfl_sync(0xffffffffu, key, j);
+    r += kj > key || (kj == key && j < lane);
+  }
+  const uint64_t mine = (static_cast<uint64_t>(key) << 32) | (0xffffffffu - static_cast<uint32_t>(e));
+  if (r < kk) cand[warp * kk + r] = mine;  // ranks are a permutation of 0..31: every slot of the list is written
+  __syncthreads();
+  const int nc = W * kk;
+  if (e < nc) {
+    const uint64_t c = cand[e];
+    int better = 0;
+#pragma unroll 4
+    for (int j = 0; j < nc; ++j) better += cand[j] > c;
+    if ((c >> 32) != 0 && better < k) s_ids[better] = static_cast<int>(0xffffffffu - static_cast<uint32_t>(c));
+  }
+  __syncthreads();
+  if (warp != 0) return;
+  int my_id[2] = {-1, -1};
+  if (lane < k) my_id[0] = s_ids[lane];
+  if (lane + 32 < k) my_id[1] = s_ids[lane + 32];
+  route_weights<M>(p, t, sel, my_id);
+}
+
+template <RoutingMethod M> void launch_routing_block_as(const RoutingParams& p, int warps_per_token, size_t smem,
+                                                        cudaStream_t stream) {
+  if constexpr (M == RoutingMethod::Default || M == RoutingMethod::RenormalizeNaive) {
+    throw Error(ErrorCode::Unsupported, "routing_method", "a block a token needs a method without a sum over the experts");
+  } else {
+    launch_pdl(routing_block_kernel<M>, dim3(p.T), dim3(32 * warps_per_token), smem, stream, "routing_block_kernel", p);
+  }
+}
+
 template <RoutingMethod M> void launch_routing_as(const RoutingParams& p, int warps_per_block, size_t smem,
                                                   cudaStream_t stream) {
   const int blocks = (p.T + warps_per_block - 1) / warps_per_block;
@@ -305,9 +392,26 @@ template <RoutingMethod M> void launch_routing_as(const RoutingParams& p, int wa
 
 }  // namespace
 
-void launch_routing(const RoutingParams& p, int warps_per_block, size_t smem, cudaStream_t stream) {
+void launch_routing(const RoutingParams& p, int warps_per_block, int warps_per_token, size_t smem,
+                    cudaStream_t stream) {
   if (p.T <= 0) return;
   using R = RoutingMethod;
+  if (warps_per_token > 0) {
+    switch (static_cast<R>(p.method)) {
+      case R::Renormalize: return launch_routing_block_as<R::Renormalize>(p, warps_per_token, smem, stream);
+      case R::DeepSeekV3: return launch_routing_block_as<R::DeepSeekV3>(p, warps_per_token, smem, stream);
+      case R::Llama4: return launch_routing_block_as<R::Llama4>(p, warps_per_token, smem, stream);
+      case R::TopK: return launch_routing_block_as<R::TopK>(p, warps_per_token, smem, stream);
+      case R::SigmoidRenorm: return launch_routing_block_as<R::SigmoidRenorm>(p, warps_per_token, smem, stream);
+      case R::MiniMax2: return launch_routing_block_as<R::MiniMax2>(p, warps_per_token, smem, stream);
+      case R::Sigmoid: return launch_routing_block_as<R::Sigmoid>(p, warps_per_token, smem, stream);
+      case R::TopKSigmoid: return launch_routing_block_as<R::TopKSigmoid>(p, warps_per_token, smem, stream);
+      case R::Default:
+      case R::RenormalizeNaive:
+        break;  // the plan never asks for them
+    }
+    throw Error(ErrorCode::Unsupported, "routing_method", "no block-a-token routing for this method");
+  }
   switch (static_cast<R>(p.method)) {
     case R::Default: return launch_routing_as<R::Default>(p, warps_per_block, smem, stream);
     case R::Renormalize: return launch_routing_as<R::Renormalize>(p, warps_per_block, smem, stream);

@@ -33,6 +33,8 @@ struct ProblemShape {
   WeightFormat format = WeightFormat::NVFP4;
   bool routing_from_logits = true;  // false: precomputed topk_ids/topk_weights
   int64_t n_group = 1;              // DeepSeekV3 groups (routing from logits)
+  // The method's scores need a sum over all experts (Default, RenormalizeNaive: softmax before the top-k).
+  bool routing_sums_experts = false;
   bool has_shared = false;          // shared expert present
   int64_t shared_I = 0;             // its intermediate size
   bool has_lora = false;            // registry LoRA in the call (an AdapterRegistry is given)
@@ -77,6 +79,8 @@ struct MoePlan {
 
   // Routing kernel (from logits): one warp per token.
   int routing_warps_per_block = 0;
+  // At small T: one block of this many warps a token (an expert a thread; 0: a warp a token).
+  int routing_warps_per_token = 0;
   int64_t routing_blocks = 0;   // for a full chunk
   size_t routing_smem = 0;      // dynamic shared memory per block
 
@@ -180,11 +184,19 @@ static_assert(band_token_bytes(DeviceDesc{}) == int64_t(8) << 20 && band_min_sou
 constexpr int64_t kDefaultWorkspaceBudget = int64_t(4) << 30;
 // Limits of this backend (beyond them: Error Unsupported naming the argument).
 constexpr int64_t kMaxTopK = 64;
-constexpr int64_t kMaxExpertsRouting = 4096;  // logits width the routing kernel keeps in shared memory
+constexpr int64_t kMaxExpertsRouting = 4096;
+// Routing a token on a block (MoePlan::routing_warps_per_token): up to this many tokens a chunk, more than
+// kRoutingBlockMinExperts and up to kRoutingBlockExperts experts (one a thread); ungrouped methods without a sum over
+// the experts.
+constexpr int64_t kRoutingBlockTokens = 64, kRoutingBlockMinExperts = 128, kRoutingBlockExperts = 512;  // logits width the routing kernel keeps in shared memory
 constexpr int64_t kMaxLocalExperts = 4096;    // per-block expert counters and the scan in shared memory
 constexpr int64_t kMaxGroups = 64;            // group scores: two registers a routing lane
 // Shared-memory floats of one routing warp (src/cuda/routing.cu): scores [E], top-k keys [E].
 constexpr int64_t routing_floats_per_warp(int E) { return 2 * E; }
+// The block-a-token routing's shared memory: the scores, each warp's best (a 64-bit key each), the chosen ids.
+constexpr int64_t routing_block_smem(int64_t E, int64_t k, int64_t warps) {
+  return ((E * 4 + 7) / 8) * 8 + warps * (k < 32 ? k : 32) * 8 + k * 4;
+}
 constexpr int64_t kMaxTokens = int64_t(1) << 30;
 constexpr int64_t kMaxHidden = int64_t(1) << 20;  // H, I: keeps every per-row index inside int32
 constexpr int64_t kMaxLoraRank = 64;              // an adapter's r (SPEC §5)

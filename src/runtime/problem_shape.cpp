@@ -26,6 +26,7 @@ ProblemShape problem_shape(const PreparedWeights& w, const MoeArgs& a, bool with
   s.format = w.format;
   s.routing_from_logits = given(r.logits) || !given(r.topk_ids);
   s.n_group = r.method == RoutingMethod::DeepSeekV3 ? r.n_group : 1;
+  s.routing_sums_experts = r.method == RoutingMethod::Default || r.method == RoutingMethod::RenormalizeNaive;
   s.has_shared = a.shared_expert != nullptr;
   s.shared_I = a.shared_expert ? a.shared_expert->impl().I : 0;
   s.has_lora = with_lora || a.adapters != nullptr;

@@ -78,8 +78,15 @@ void check_plan(const ProblemShape& s, std::mt19937_64& rng) {
 
   // Routing grid covers the chunk's tokens; shared memory within the default 48 KiB.
   if (T > 0 && s.routing_from_logits) {
-    EXPECT_GE(p.routing_blocks * p.routing_warps_per_block, p.chunk_tokens);
-    EXPECT_GE(p.routing_smem, static_cast<size_t>(2 * p.shape.E_total * 4 * p.routing_warps_per_block));
+    if (p.routing_warps_per_token > 0) {  // a block a token: an expert a thread
+      EXPECT_EQ(p.routing_blocks, p.chunk_tokens);
+      EXPECT_GE(32 * p.routing_warps_per_token, p.shape.E_total);
+      EXPECT_LE(32 * p.routing_warps_per_token, 1024);
+      EXPECT_EQ(p.routing_smem, static_cast<size_t>(routing_block_smem(p.shape.E_total, s.k, p.routing_warps_per_token)));
+    } else {
+      EXPECT_GE(p.routing_blocks * p.routing_warps_per_block, p.chunk_tokens);
+      EXPECT_GE(p.routing_smem, static_cast<size_t>(2 * p.shape.E_total * 4 * p.routing_warps_per_block));
+    }
     EXPECT_LE(p.routing_smem, 48u * 1024u);
   }
 
@@ -651,4 +658,38 @@ TEST(Plan, RefusesShapesTheKernelsCannotTake) {
 }
 
 }  // namespace
+
+// A few tokens route on a block a token (an expert a thread) where the method has no groups and no sum over the
+// experts and E is 129..512; else a warp a token.
+TEST(Plan, RoutingBlockATokenAtFewTokens) {
+  ProblemShape s;
+  s.H = 3584; s.I = 384; s.E_loc = s.E_total = 384; s.k = 8;  // kimi_k3_tp8 (DeepSeekV3 without groups)
+  for (auto [T, warps] : {std::pair<int64_t, int>{1, 12}, {kRoutingBlockTokens, 12}, {kRoutingBlockTokens + 1, 0}}) {
+    s.T = T;
+    const MoePlan p = make_plan(s);
+    EXPECT_EQ(p.routing_warps_per_token, warps) << "T=" << T;
+    if (warps > 0) {
+      EXPECT_EQ(p.routing_blocks, T);
+      EXPECT_EQ(p.routing_smem, static_cast<size_t>(routing_block_smem(384, 8, 12)));
+    }
+  }
+  s.T = 1;
+  s.routing_sums_experts = true;  // qwen3_30b_a3b's RenormalizeNaive
+  EXPECT_EQ(make_plan(s).routing_warps_per_token, 0);
+  s.routing_sums_experts = false;
+  s.E_loc = s.E_total = 256; s.n_group = 8;  // deepseek_v3_ep8's groups
+  EXPECT_EQ(make_plan(s).routing_warps_per_token, 0);
+  s.n_group = 1; s.E_loc = s.E_total = 8; s.k = 2;  // mixtral_8x7b: one warp holds every expert
+  EXPECT_EQ(make_plan(s).routing_warps_per_token, 0);
+  s.E_loc = s.E_total = kRoutingBlockMinExperts; s.k = 4;  // gpt_oss_120b: a warp walks its 128 experts 4 times
+  EXPECT_EQ(make_plan(s).routing_warps_per_token, 0);
+  s.E_loc = s.E_total = kRoutingBlockMinExperts + 1;
+  EXPECT_EQ(make_plan(s).routing_warps_per_token, 5);
+  s.E_loc = s.E_total = kRoutingBlockExperts + 16;
+  EXPECT_EQ(make_plan(s).routing_warps_per_token, 0);
+  s.routing_from_logits = false;
+  s.E_loc = s.E_total = 128;
+  EXPECT_EQ(make_plan(s).routing_warps_per_token, 0);
+}
+
 }  // namespace fp4moe

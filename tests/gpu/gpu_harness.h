@@ -172,6 +172,8 @@ inline ProblemShape problem_shape(const Case& c) {
   ps.activation = c.shape.activation; ps.gated = is_gated(c.shape.activation); ps.mode = c.mode; ps.format = c.format;
   ps.has_shared = c.shared; ps.shared_I = c.shared_I; ps.gemm_config = c.gemm_tile;
   ps.workspace_budget = c.workspace_budget;
+  ps.n_group = c.shape.routing == RoutingMethod::DeepSeekV3 ? c.shape.n_group : 1;
+  ps.routing_sums_experts = c.shape.routing == RoutingMethod::Default || c.shape.routing == RoutingMethod::RenormalizeNaive;
   return ps;
 }
 

@@ -223,6 +223,19 @@ TEST(GpuNvfp4, SpecialScaleCodes) {
   // (A NaN scale code is rejected when the weights are prepared — bad input, tests/cpp/test_weights.cpp.)
 }
 
+// The tokens `sub` of the batch (c, in) as a batch of their own give the rows of y they gave in it, bit for bit.
+void expect_sub_batch_equal(const Case& c, const Inputs& in, const Layer& layer, const std::vector<uint16_t>& y,
+                            const std::vector<int64_t>& sub, const std::string& what) {
+  Case cs = c;
+  cs.T = static_cast<int64_t>(sub.size());
+  const Inputs is = sub_inputs(in, sub);
+  auto sc = make_gpu_call(cs, is, layer);
+  const auto ys = run_gpu(layer.gpu, *sc);
+  for (size_t i = 0; i < sub.size(); ++i)
+    EXPECT_TRUE(std::equal(ys.begin() + i * in.H, ys.begin() + (i + 1) * in.H, y.begin() + sub[i] * in.H))
+        << "token " << sub[i] << " differs " << what;
+}
+
 // ---- batch invariance: a token's bits do not depend on the rest of the batch ------------------------
 TEST(GpuBatchInvariance, SubBatchesEqualFullBatch) {
   FP4MOE_SKIP_WITHOUT_GPU();
@@ -256,16 +269,8 @@ TEST(GpuBatchInvariance, SubBatchesEqualFullBatch) {
       auto tc = make_gpu_call(ct, in, *layer);
       EXPECT_TRUE(run_gpu(layer->gpu, *tc) == y) << "tile " << tile << " differs (mode " << mode << ")";
     }
-    for (const std::vector<int64_t>& sub : {std::vector<int64_t>{5}, std::vector<int64_t>{5, 17, 40, c.T - 1}}) {
-      Case cs = c;
-      cs.T = static_cast<int64_t>(sub.size());
-      const Inputs is = sub_inputs(in, sub);
-      auto sc = make_gpu_call(cs, is, *layer);
-      const auto ys = run_gpu(layer->gpu, *sc);
-      for (size_t i = 0; i < sub.size(); ++i)
-        EXPECT_TRUE(std::equal(ys.begin() + i * in.H, ys.begin() + (i + 1) * in.H, y.begin() + sub[i] * in.H))
-            << "token " << sub[i] << " differs alone (mode " << mode << ")";
-    }
+    for (const std::vector<int64_t>& sub : {std::vector<int64_t>{5}, std::vector<int64_t>{5, 17, 40, c.T - 1}})
+      expect_sub_batch_equal(c, in, *layer, y, sub, "alone (mode " + std::to_string(mode) + ")");
   }
 }
 
@@ -333,7 +338,11 @@ TEST(GpuRandomShapes, RoutingClusteredWinnersAndTies) {
                   {RoutingMethod::Sigmoid, 2048, 64, 1, 1, false},       {RoutingMethod::Default, 100, 64, 1, 1, false},
                   // groups of 32, 40 and 8 experts with tied group scores (the lower group id first), 64 groups
                   {RoutingMethod::DeepSeekV3, 256, 8, 8, 4, false},      {RoutingMethod::DeepSeekV3, 160, 8, 4, 2, false},
-                  {RoutingMethod::DeepSeekV3, 64, 6, 8, 3, false},       {RoutingMethod::DeepSeekV3, 2048, 16, 64, 5, false}};
+                  {RoutingMethod::DeepSeekV3, 64, 6, 8, 3, false},       {RoutingMethod::DeepSeekV3, 2048, 16, 64, 5, false},
+                  // a block a token (E 129..512, no groups, no sum over the experts): warps' lists of 32, 32 and 8;
+                  // and 100 experts, a warp a token
+                  {RoutingMethod::TopK, 512, 40, 1, 1, false},          {RoutingMethod::Sigmoid, 320, 64, 1, 1, false},
+                  {RoutingMethod::MiniMax2, 256, 8, 1, 1, true},        {RoutingMethod::Renormalize, 100, 24, 1, 1, false}};
   int n = 0;
   for (const R& r : rs) {
     Case c;
@@ -362,6 +371,48 @@ TEST(GpuRandomShapes, RoutingClusteredWinnersAndTies) {
       if (!r.random_bias) std::fill(in.bias.begin(), in.bias.end(), 0.f);  // DeepSeekV3's bias would break the ties
     });
     if (HasFailure()) return;
+  }
+}
+
+// ---- routing a token on a block (MoePlan::routing_warps_per_token, up to kRoutingBlockTokens tokens) gives the bits
+// of a warp a token (above): a 100-token batch against sub-batches of its tokens, kimi's 384 experts (12 warps, 8
+// of them local) with its DeepSeekV3 bias, the same with a bias that is not finite (the flag); and against the
+// reference ------------------------------------------------------------------------------------------------------
+TEST(GpuBatchInvariance, BlockRoutingEqualsWarpRouting) {
+  FP4MOE_SKIP_WITHOUT_GPU();
+  Case c;
+  c.shape = model("kimi_k3_tp8");
+  c.E_loc = 8;
+  c.E_total = 384;
+  c.offset = 40;
+  c.T = 100;
+  c.seed = 7300;
+  ProblemShape ps = problem_shape(c);
+  ASSERT_EQ(make_plan(ps).routing_warps_per_token, 0) << "the full batch should route a warp a token";
+  ps.T = 4;
+  ASSERT_EQ(make_plan(ps).routing_warps_per_token, 12) << "the sub-batches should route a block a token";
+  auto layer = make_layer(c);
+  Inputs in = make_inputs(c);
+  auto call = make_gpu_call(c, in, *layer);
+  const auto y = run_gpu(layer->gpu, *call);
+  for (const std::vector<int64_t>& sub : {std::vector<int64_t>{0}, std::vector<int64_t>{3, 50, 64, 99}})
+    expect_sub_batch_equal(c, in, *layer, y, sub, "routed on a block");
+  Case cr = c;
+  cr.T = 6;
+  cr.check_tokens = cr.T;
+  check_case(cr, nullptr, "kimi E=384 routed on a block", true);
+  check_device_errors(0);
+  Inputs bad = sub_inputs(in, {0, 1, 2});
+  bad.bias[200] = NAN;
+  Case cb = c;
+  cb.T = 3;
+  auto bc = make_gpu_call(cb, bad, *layer);
+  EXPECT_EQ(count_poison(run_gpu(layer->gpu, *bc)), 0);
+  try {
+    check_device_errors(0);
+    ADD_FAILURE() << "expected DeviceFault for a NaN bias";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.argument(), "routing.bias") << e.what();
   }
 }
 
