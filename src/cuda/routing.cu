@@ -372,17 +372,17 @@ template <RoutingMethod M> __global__ void routing_block_kernel(RoutingParams p)
   route_weights<M>(p, t, sel, my_id);
 }
 
-template <RoutingMethod M> void launch_routing_block_as(const RoutingParams& p, int warps_per_token, size_t smem,
-                                                        cudaStream_t stream) {
-  if constexpr (M == RoutingMethod::Default || M == RoutingMethod::RenormalizeNaive) {
-    throw Error(ErrorCode::Unsupported, "routing_method", "a block a token needs a method without a sum over the experts");
-  } else {
-    launch_pdl(routing_block_kernel<M>, dim3(p.T), dim3(32 * warps_per_token), smem, stream, "routing_block_kernel", p);
+// A block a token (warps_per_token > 0, never asked for a method with a sum over the experts) or warps_per_block
+// tokens a block.
+template <RoutingMethod M> void launch_routing_as(const RoutingParams& p, int warps_per_block, int warps_per_token,
+                                                  size_t smem, cudaStream_t stream) {
+  if (warps_per_token > 0) {
+    if constexpr (M == RoutingMethod::Default || M == RoutingMethod::RenormalizeNaive)
+      throw Error(ErrorCode::Unsupported, "routing_method", "a block a token needs a method without a sum over the experts");
+    else
+      launch_pdl(routing_block_kernel<M>, dim3(p.T), dim3(32 * warps_per_token), smem, stream, "routing_block_kernel", p);
+    return;
   }
-}
-
-template <RoutingMethod M> void launch_routing_as(const RoutingParams& p, int warps_per_block, size_t smem,
-                                                  cudaStream_t stream) {
   const int blocks = (p.T + warps_per_block - 1) / warps_per_block;
   if (smem > 48 * 1024)
     check_cuda(cudaFuncSetAttribute(routing_kernel<M>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
@@ -396,33 +396,17 @@ void launch_routing(const RoutingParams& p, int warps_per_block, int warps_per_t
                     cudaStream_t stream) {
   if (p.T <= 0) return;
   using R = RoutingMethod;
-  if (warps_per_token > 0) {
-    switch (static_cast<R>(p.method)) {
-      case R::Renormalize: return launch_routing_block_as<R::Renormalize>(p, warps_per_token, smem, stream);
-      case R::DeepSeekV3: return launch_routing_block_as<R::DeepSeekV3>(p, warps_per_token, smem, stream);
-      case R::Llama4: return launch_routing_block_as<R::Llama4>(p, warps_per_token, smem, stream);
-      case R::TopK: return launch_routing_block_as<R::TopK>(p, warps_per_token, smem, stream);
-      case R::SigmoidRenorm: return launch_routing_block_as<R::SigmoidRenorm>(p, warps_per_token, smem, stream);
-      case R::MiniMax2: return launch_routing_block_as<R::MiniMax2>(p, warps_per_token, smem, stream);
-      case R::Sigmoid: return launch_routing_block_as<R::Sigmoid>(p, warps_per_token, smem, stream);
-      case R::TopKSigmoid: return launch_routing_block_as<R::TopKSigmoid>(p, warps_per_token, smem, stream);
-      case R::Default:
-      case R::RenormalizeNaive:
-        break;  // the plan never asks for them
-    }
-    throw Error(ErrorCode::Unsupported, "routing_method", "no block-a-token routing for this method");
-  }
   switch (static_cast<R>(p.method)) {
-    case R::Default: return launch_routing_as<R::Default>(p, warps_per_block, smem, stream);
-    case R::Renormalize: return launch_routing_as<R::Renormalize>(p, warps_per_block, smem, stream);
-    case R::DeepSeekV3: return launch_routing_as<R::DeepSeekV3>(p, warps_per_block, smem, stream);
-    case R::Llama4: return launch_routing_as<R::Llama4>(p, warps_per_block, smem, stream);
-    case R::RenormalizeNaive: return launch_routing_as<R::RenormalizeNaive>(p, warps_per_block, smem, stream);
-    case R::TopK: return launch_routing_as<R::TopK>(p, warps_per_block, smem, stream);
-    case R::SigmoidRenorm: return launch_routing_as<R::SigmoidRenorm>(p, warps_per_block, smem, stream);
-    case R::MiniMax2: return launch_routing_as<R::MiniMax2>(p, warps_per_block, smem, stream);
-    case R::Sigmoid: return launch_routing_as<R::Sigmoid>(p, warps_per_block, smem, stream);
-    case R::TopKSigmoid: return launch_routing_as<R::TopKSigmoid>(p, warps_per_block, smem, stream);
+    case R::Default: return launch_routing_as<R::Default>(p, warps_per_block, warps_per_token, smem, stream);
+    case R::Renormalize: return launch_routing_as<R::Renormalize>(p, warps_per_block, warps_per_token, smem, stream);
+    case R::DeepSeekV3: return launch_routing_as<R::DeepSeekV3>(p, warps_per_block, warps_per_token, smem, stream);
+    case R::Llama4: return launch_routing_as<R::Llama4>(p, warps_per_block, warps_per_token, smem, stream);
+    case R::RenormalizeNaive: return launch_routing_as<R::RenormalizeNaive>(p, warps_per_block, warps_per_token, smem, stream);
+    case R::TopK: return launch_routing_as<R::TopK>(p, warps_per_block, warps_per_token, smem, stream);
+    case R::SigmoidRenorm: return launch_routing_as<R::SigmoidRenorm>(p, warps_per_block, warps_per_token, smem, stream);
+    case R::MiniMax2: return launch_routing_as<R::MiniMax2>(p, warps_per_block, warps_per_token, smem, stream);
+    case R::Sigmoid: return launch_routing_as<R::Sigmoid>(p, warps_per_block, warps_per_token, smem, stream);
+    case R::TopKSigmoid: return launch_routing_as<R::TopKSigmoid>(p, warps_per_block, warps_per_token, smem, stream);
   }
   throw Error(ErrorCode::InvalidArgument, "routing_method", "not a RoutingMethod value");
 }

@@ -184,11 +184,11 @@ static_assert(band_token_bytes(DeviceDesc{}) == int64_t(8) << 20 && band_min_sou
 constexpr int64_t kDefaultWorkspaceBudget = int64_t(4) << 30;
 // Limits of this backend (beyond them: Error Unsupported naming the argument).
 constexpr int64_t kMaxTopK = 64;
-constexpr int64_t kMaxExpertsRouting = 4096;
+constexpr int64_t kMaxExpertsRouting = 4096;  // logits width the routing kernel keeps in shared memory
 // Routing a token on a block (MoePlan::routing_warps_per_token): up to this many tokens a chunk, more than
 // kRoutingBlockMinExperts and up to kRoutingBlockExperts experts (one a thread); ungrouped methods without a sum over
 // the experts.
-constexpr int64_t kRoutingBlockTokens = 64, kRoutingBlockMinExperts = 128, kRoutingBlockExperts = 512;  // logits width the routing kernel keeps in shared memory
+constexpr int64_t kRoutingBlockTokens = 64, kRoutingBlockMinExperts = 128, kRoutingBlockExperts = 512;
 constexpr int64_t kMaxLocalExperts = 4096;    // per-block expert counters and the scan in shared memory
 constexpr int64_t kMaxGroups = 64;            // group scores: two registers a routing lane
 // Shared-memory floats of one routing warp (src/cuda/routing.cu): scores [E], top-k keys [E].
