@@ -12,11 +12,7 @@ dropping a variant suffix ("kimi_k3_tp8+situ" is "kimi_k3_tp8").
 import json
 import sys
 
-from bench_cases import lora_case
-
-
-def shape_of(c):
-    return c["shape"].split("+")[0]
+from bench_cases import lora_case, shape_of
 
 
 def fp4moe_rows(doc, case):

@@ -9,7 +9,7 @@ import json
 import os
 import sys
 
-from bench_cases import lora_case
+from bench_cases import lora_case, shape_of
 
 
 def cases(path):
@@ -18,7 +18,7 @@ def cases(path):
     for c in doc["cases"]:
         if c.get("status") != "ok":
             continue
-        out[(c["shape"].split("+")[0], c["T"], lora_case(c))] = c["median_us"]
+        out[(shape_of(c), c["T"], lora_case(c))] = c["median_us"]
     return out
 
 

@@ -11,7 +11,7 @@ base case is missing or not "ok" is "–".
 import json
 import sys
 
-from bench_cases import lora_case
+from bench_cases import lora_case, shape_of
 
 
 def rows_by_case(doc):
@@ -19,7 +19,7 @@ def rows_by_case(doc):
     out = {}
     for c in doc["cases"]:
         if c.get("status") == "ok":
-            out.setdefault(lora_case(c), {})[(c["shape"].split("+")[0], c["T"])] = c
+            out.setdefault(lora_case(c), {})[(shape_of(c), c["T"])] = c
     return out
 
 
