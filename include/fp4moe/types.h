@@ -42,6 +42,7 @@ enum class GemmTile : int32_t {
   TokensAsA64 = 2,   // 64 tokens a tile, the tokens as the mma A operand
   Wgmma64 = 3,       // 64 tokens a tile, sm_90a wgmma with the decoded weights as its register A operand
   WeightsAsA16 = 4,  // up to 16 tokens a tile, the weights as the mma A operand
+  WgmmaWs128 = 5,    // 128 tokens x 256 weight rows, sm_90a wgmma, warp-specialised (a producer warpgroup)
 };
 const char* to_string(GemmTile t);
 

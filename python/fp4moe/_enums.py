@@ -82,6 +82,7 @@ class GemmTile(enum.IntEnum):
     TokensAsA64 = 2    # 64 tokens a tile, tokens as the mma A operand
     Wgmma64 = 3        # 64 tokens a tile, sm_90a wgmma with the weights as register A
     WeightsAsA16 = 4   # up to 16 tokens a tile, weights as the mma A operand
+    WgmmaWs128 = 5     # 128 tokens x 256 weight rows, sm_90a wgmma, warp-specialised
 
 
 # fp4moe::DType values (dtype hints passed to the extension).

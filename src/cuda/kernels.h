@@ -265,11 +265,12 @@ struct Epilogue2Params {
 };
 
 // Whether GEMM1 on tile `config` quantizes a itself in A4 (Epilogue1Params::a_quant_gs, gemm/epilogue_a4.cuh):
-// the weights-as-A tiles with two row groups of 16 a warp (mma.sync), gated activations. (The kernel's own
+// the weights-as-A tiles with two row groups of 16 a warp (mma.sync, and the warp-specialised wgmma tile), gated
+// activations. (The kernel's own
 // condition is checked against this one at compile time: gemm/dispatch.cuh.)
-constexpr bool gemm_a4_fusable(int config, ActivationType a) {
+constexpr bool gemm_a4_fusable(int config, ActivationType a, bool fp4 = true) {
   const GemmConfig& c = kGemmConfigs[config];
-  return c.weights_as_a && !c.wgmma && c.bn == 32 * c.warps_n && is_gated(a);
+  return c.weights_as_a && (!c.wgmma || c.ws) && gemm_bn(c, fp4) == 32 * c.warps_n && is_gated(a);
 }
 
 struct QuantizeParams {

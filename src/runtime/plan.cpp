@@ -179,8 +179,9 @@ MoePlan make_plan(const ProblemShape& shape) {
   const GemmConfig& g = p.gemm;
   p.k1_pad = round_up(H, g.bk);
   p.k2_pad = round_up(I, g.bk);
-  p.n1_tiles = ceil_div(p.n1, g.bn);
-  p.n2_tiles = ceil_div(H, g.bn);
+  const bool fp4 = s.format == WeightFormat::NVFP4;
+  p.n1_tiles = ceil_div(p.n1, gemm_bn(g, fp4));
+  p.n2_tiles = ceil_div(H, gemm_bn(g, fp4));
   // sum_e ceil(c_e / bm) <= ceil(rows / bm) + (number of non-empty experts) <= ceil(rows/bm) + min(E_loc, rows).
   auto m_tiles_of = [&](const GemmConfig& c) {
     return p.rows == 0 ? 0 : ceil_div(p.rows, c.bm) + std::min<int64_t>(s.E_loc, p.rows);
@@ -210,7 +211,7 @@ MoePlan make_plan(const ProblemShape& shape) {
   p.m_band2 = band_of(p.rows, p.k2_pad, p.n2_tiles);
   if (s.has_shared) {
     p.shared_n1 = s.gated ? 2 * s.shared_I : s.shared_I;
-    p.shared_n1_tiles = ceil_div(p.shared_n1, g.bn);
+    p.shared_n1_tiles = ceil_div(p.shared_n1, gemm_bn(g, fp4));
     p.shared_m_tiles = ceil_div(p.chunk_tokens, g.bm);
     p.shared_k2_pad = round_up(s.shared_I, g.bk);
   }

@@ -66,7 +66,10 @@ struct GemmConfig {
                                     // (src/cuda/gemm/kernel_weights_as_a.cuh)
   bool wgmma = false;               // the sm_90a warpgroup MMA (src/cuda/wgmma.cuh): ProblemShape::wgmma devices only;
                                     // its chunk sums live in shared memory (gemm/kernel_weights_as_a.cuh)
-  constexpr int threads() const { return 32 * warps_m * warps_n; }
+  bool ws = false;                  // warp-specialised: a producer warpgroup issues every copy, the warps_n math warps
+                                    // only decode and multiply (src/cuda/gemm/kernel_ws_wgmma.cuh); bf16 weights take
+                                    // half the weight rows (bn / 2) in the same shared memory
+  constexpr int threads() const { return 32 * warps_m * warps_n; }  // the math threads
 };
 
 struct MoePlan {
@@ -217,7 +220,7 @@ constexpr int64_t kFewExperts = 16;
 // 32 (make_plan's tile choice; measured on qwen3_30b_a3b_tp4, I = 192: bench/NOTES.md).
 constexpr int64_t kLoraThinI = 256, kLoraThinRows = 80;
 
-constexpr int kNumGemmConfigs = 5;
+constexpr int kNumGemmConfigs = 6;
 inline constexpr GemmConfig kGemmConfigs[kNumGemmConfigs] = {
     {8, 128, 64, 1, 4, 8, true},   // decode: <= 8 rows per expert tile, 32 weight rows a warp, many bytes in flight
     {32, 128, 64, 1, 4, 6, true},  // up to 512 rows an expert (plan.cpp), in tiles of <= 32 rows
@@ -227,18 +230,26 @@ inline constexpr GemmConfig kGemmConfigs[kNumGemmConfigs] = {
     // 5-12 rows an expert (plan.cpp): the 8-row tile reads an expert's weights twice, the 32-row one is capped at
     // 128 registers (four blocks an SM).
     {16, 128, 64, 1, 4, 6, true},
+    // sm_90a, many rows an expert: 128 tokens x 256 weight rows, two math warpgroups of 128 weight rows (32 a warp),
+    // a producer warpgroup; one block an SM (the chunk sums take 128 KB).
+    {128, 256, 64, 1, 8, 3, true, true, true},
     // (A 128-token wgmma tile with producer warps and one persistent block an SM was retired: with the tile bands
     // it was never faster than the one above; it is in git history up to revision 1ee7f89.)
 };
 constexpr int gemm_stages(const GemmConfig& g, bool) { return g.stages; }
 // The stage bytes of a tile (tokens, weights, their scales) and its dynamic shared memory: a wgmma tile's stages
 // start 1024-byte aligned (the 128-byte swizzle's atom), with 1 KB to align the base (src/cuda/gemm/tile_config.cuh).
+// The weight rows of a tile for a weight format: a warp-specialised tile's bf16 weights take half of them.
+constexpr int gemm_bn(const GemmConfig& g, bool fp4) { return g.ws && !fp4 ? g.bn / 2 : g.bn; }
 constexpr int64_t gemm_stage_bytes(const GemmConfig& g, bool fp4) {
-  const int64_t b = fp4 ? g.bn * (g.bk / 2 + g.bk / 16) : g.bn * g.bk * 2, raw = g.bm * g.bk * 2 + b;
+  const int64_t bn = gemm_bn(g, fp4);
+  const int64_t b = fp4 ? bn * (g.bk / 2 + g.bk / 16) : bn * g.bk * 2, raw = g.bm * g.bk * 2 + b;
   return g.wgmma ? (raw + 1023) / 1024 * 1024 : raw;
 }
 constexpr int64_t gemm_smem_bytes(const GemmConfig& g, bool fp4) {
-  const int64_t chunk_sums = g.wgmma ? int64_t(g.threads()) * (g.bm / 8) * 16 : 0;  // a float4 per 8 tokens a thread
+  // wgmma: a float4 a thread per 8 tokens and 16 weight rows of its warp.
+  const int64_t chunk_sums =
+      g.wgmma ? int64_t(g.threads()) * (g.bm / 8) * (gemm_bn(g, fp4) / g.warps_n / 16) * 16 : 0;
   return gemm_stages(g, fp4) * gemm_stage_bytes(g, fp4) + (g.wgmma ? 1024 : 0) + chunk_sums;
 }
 

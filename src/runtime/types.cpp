@@ -46,6 +46,7 @@ const char* to_string(GemmTile t) {
     case GemmTile::TokensAsA64: return "TokensAsA64";
     case GemmTile::Wgmma64: return "Wgmma64";
     case GemmTile::WeightsAsA16: return "WeightsAsA16";
+    case GemmTile::WgmmaWs128: return "WgmmaWs128";
   }
   return "?";
 }

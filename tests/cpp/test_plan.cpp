@@ -161,17 +161,21 @@ void check_plan(const ProblemShape& s, std::mt19937_64& rng) {
   EXPECT_LE(g.threads(), 1024);
   EXPECT_LE(p.gemm_smem, 227u * 1024u);
   EXPECT_EQ(static_cast<int64_t>(p.gemm_smem), gemm_smem_bytes(g, s.format == WeightFormat::NVFP4));
-  if (g.wgmma) {  // whole warpgroups of 64 weight rows; 1024-byte stages (the 128-byte swizzle's atom)
+  const bool fp4 = s.format == WeightFormat::NVFP4;
+  const int64_t bn = gemm_bn(g, fp4);  // the weight rows of a tile in this format
+  EXPECT_TRUE(bn == g.bn || (g.ws && !fp4 && 2 * bn == g.bn));
+  if (g.wgmma) {  // whole warpgroups of m64 tiles (16 weight rows a warp each); 1024-byte stages (the swizzle's atom)
     EXPECT_TRUE(s.device.wgmma);
     EXPECT_EQ(g.warps_n % 4, 0);
-    EXPECT_EQ(g.bn, 16 * g.warps_n);
+    EXPECT_EQ(bn % (16 * g.warps_n), 0);
+    EXPECT_LE(bn / (16 * g.warps_n), 2);
     EXPECT_EQ(gemm_stage_bytes(g, s.format == WeightFormat::NVFP4) % 1024, 0);
     EXPECT_EQ(g.bm * g.bk * 2 % 1024, 0);
   }
   EXPECT_EQ(p.n1, s.gated ? 2 * I : I);
-  EXPECT_GE(p.n1_tiles * g.bn, p.n1);
-  EXPECT_LT((p.n1_tiles - 1) * g.bn, p.n1);
-  EXPECT_GE(p.n2_tiles * g.bn, H);
+  EXPECT_GE(p.n1_tiles * bn, p.n1);
+  EXPECT_LT((p.n1_tiles - 1) * bn, p.n1);
+  EXPECT_GE(p.n2_tiles * bn, H);
   EXPECT_EQ(p.k1_pad % g.bk, 0);
   EXPECT_GE(p.k1_pad, H);
   EXPECT_LT(p.k1_pad, H + g.bk);
@@ -182,7 +186,7 @@ void check_plan(const ProblemShape& s, std::mt19937_64& rng) {
   EXPECT_LE(p.max_m_tiles, 0x7fffffff);
   if (s.has_shared && T > 0) {
     EXPECT_GE(p.shared_m_tiles * g.bm, p.chunk_tokens);
-    EXPECT_GE(p.shared_n1_tiles * g.bn, p.shared_n1);
+    EXPECT_GE(p.shared_n1_tiles * bn, p.shared_n1);
     EXPECT_GE(p.shared_k2_pad, s.shared_I);
   }
 

@@ -5,6 +5,7 @@
 
 #include "cuda/gemm/kernel_tokens_as_a.cuh"
 #include "cuda/gemm/kernel_weights_as_a.cuh"
+#include "cuda/gemm/kernel_ws_wgmma.cuh"
 #include "cuda/gemm/tile_config.cuh"
 
 namespace fp4moe::cuda_backend {
@@ -12,15 +13,19 @@ namespace fp4moe::cuda_backend {
 // The host's A4 fusion flag (kernels.h gemm_a4_fusable) must name exactly the tiles whose kernel quantizes a
 // (weights_as_a_gemm_kernel with two row groups of 16 a warp: epilogue_a4.cuh), or a would reach GEMM2
 // unquantized or twice.
-template <GemmTile T> constexpr bool a4_fusion_matches() {
-  using C = TileOf<T, true>;
+template <GemmTile T, bool FP4 = true> constexpr bool a4_fusion_matches() {
+  using C = TileOf<T, FP4>;
   constexpr int I = static_cast<int>(T);
   constexpr bool kernel_fuses = C::WEIGHTS_AS_A && C::BN == 32 * C::WARPS_N;
-  return gemm_a4_fusable(I, ActivationType::Swiglu) == kernel_fuses && !gemm_a4_fusable(I, ActivationType::Silu);
+  if constexpr (FP4) {
+    if (!a4_fusion_matches<T, false>()) return false;
+  }
+  return gemm_a4_fusable(I, ActivationType::Swiglu, FP4) == kernel_fuses &&
+         !gemm_a4_fusable(I, ActivationType::Silu, FP4);
 }
 static_assert(a4_fusion_matches<GemmTile::SplitKDecode>() && a4_fusion_matches<GemmTile::WeightsAsA32>() &&
                   a4_fusion_matches<GemmTile::TokensAsA64>() && a4_fusion_matches<GemmTile::Wgmma64>() &&
-                  a4_fusion_matches<GemmTile::WeightsAsA16>(),
+                  a4_fusion_matches<GemmTile::WeightsAsA16>() && a4_fusion_matches<GemmTile::WgmmaWs128>(),
               "gemm_a4_fusable differs from the kernels' fused A4 epilogue");
 
 template <class Cfg, class Epi, class Act>
@@ -28,17 +33,19 @@ void launch_grouped(const GemmProblem& g, const typename Epi::Params& ep, int n_
                     cudaStream_t stream) {
   if (n_tiles <= 0 || m_tiles <= 0) return;
   auto kernel = [] {
-    if constexpr (Cfg::WEIGHTS_AS_A) return weights_as_a_gemm_kernel<Cfg, Epi, Act>;
+    if constexpr (Cfg::WS) return ws_wgmma_gemm_kernel<Cfg, Epi, Act>;
+    else if constexpr (Cfg::WEIGHTS_AS_A) return weights_as_a_gemm_kernel<Cfg, Epi, Act>;
     else return tokens_as_a_gemm_kernel<Cfg, Epi, Act>;
   }();
   if (Cfg::SMEM_BYTES > 48 * 1024)
     check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::SMEM_BYTES),
                "cudaFuncSetAttribute(grouped_gemm_kernel)");
-  const unsigned splits = Cfg::WEIGHTS_AS_A ? static_cast<unsigned>(g.split) : 1u;  // split-K: weights-as-A tiles only
+  // split-K: the weights-as-A tiles without a producer only
+  const unsigned splits = Cfg::WEIGHTS_AS_A && !Cfg::WS ? static_cast<unsigned>(g.split) : 1u;
   GemmProblem gl = g;
   // A decode grid's m tiles are a bound: under expert parallelism most hold no rows. With the m tile slowest the
   // blocks that have work are the first dispatched, not spread among the empty ones.
-  gl.m_last = g.m_last && Cfg::WEIGHTS_AS_A && g.m_band <= 0 && m_tiles <= 65535 ? 1 : 0;
+  gl.m_last = g.m_last && Cfg::WEIGHTS_AS_A && !Cfg::WS && g.m_band <= 0 && m_tiles <= 65535 ? 1 : 0;
   const dim3 grid = gl.m_last ? dim3(static_cast<unsigned>(n_tiles), splits, static_cast<unsigned>(m_tiles))
                               : dim3(static_cast<unsigned>(m_tiles), static_cast<unsigned>(n_tiles), splits);
   launch_pdl(kernel, grid, dim3(Cfg::BLOCK_THREADS), Cfg::SMEM_BYTES, stream, "grouped_gemm_kernel", gl, ep);
@@ -51,6 +58,7 @@ template <bool FP4, class F> void with_tile(int config, F&& f) {
     case GemmTile::WeightsAsA32: f(TileOf<GemmTile::WeightsAsA32, FP4>{}); break;
     case GemmTile::TokensAsA64: f(TileOf<GemmTile::TokensAsA64, FP4>{}); break;
     case GemmTile::WeightsAsA16: f(TileOf<GemmTile::WeightsAsA16, FP4>{}); break;
+    case GemmTile::WgmmaWs128: f(TileOf<GemmTile::WgmmaWs128, FP4>{}); break;
     default: f(TileOf<GemmTile::Wgmma64, FP4>{}); break;
   }
 }

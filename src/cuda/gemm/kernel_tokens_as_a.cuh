@@ -14,11 +14,9 @@ __global__ void __launch_bounds__(Cfg::THREADS) tokens_as_a_gemm_kernel(GemmProb
   extern __shared__ __align__(128) uint8_t smem[];
   dev::pdl_wait();
   dev::pdl_launch_dependents();
-  int m, n;
-  grid_tile(g.m_band, m, n);
   TileRows tr;
-  if (!resolve_tile<Cfg::BM>(g, tr, m)) return;
-  const int n0 = n * Cfg::BN;
+  int n0;
+  if (!block_tile<Cfg::BM, Cfg::BN>(g, tr, n0)) return;
 
   TileLoader<Cfg> ld(g, tr, n0, 0);
   __shared__ dev::LoraRowRef s_lora_rows[Cfg::BM];

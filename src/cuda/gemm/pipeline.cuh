@@ -24,9 +24,10 @@ template <class C> struct TileLoader {
 #else
   static constexpr bool kBulk = false;
 #endif
-  // Every thread of the block loads; tid() is its index among them.
-  static constexpr int LT = C::THREADS;
-  __device__ static int tid() { return static_cast<int>(threadIdx.x); }
+  // Every thread of the block loads (a WS tile: its producer warpgroup, after the math threads); tid() is its index
+  // among them.
+  static constexpr int LT = C::WS ? C::PRODUCER_THREADS : C::THREADS;
+  __device__ static int tid() { return static_cast<int>(threadIdx.x) - (C::WS ? C::THREADS : 0); }
   static constexpr int B_CHUNKS = kBulk ? 0 : C::B_BYTES / 16 / LT;
   static_assert(kBulk || ((C::B_BYTES / 16) % LT == 0 && C::SF_BYTES / 16 <= LT), "whole weight chunks per thread");
   // The token chunks (16 bytes: 8 a row and k-block) go to warp 0 alone when they are few (8 rows: two a lane),

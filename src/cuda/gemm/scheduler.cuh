@@ -43,4 +43,12 @@ __device__ __forceinline__ void grid_tile(int band, int& m, int& n) {
   }
 }
 
+// This block's tile of a (m tiles, n tiles) grid: its rows tr and its first weight row; false for a tile without rows.
+template <int BM, int BN> __device__ __forceinline__ bool block_tile(const GemmProblem& g, TileRows& tr, int& n0) {
+  int m, n;
+  grid_tile(g.m_band, m, n);
+  n0 = n * BN;
+  return resolve_tile<BM>(g, tr, m);
+}
+
 }  // namespace fp4moe::cuda_backend
