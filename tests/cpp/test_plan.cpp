@@ -121,7 +121,7 @@ void check_plan(const ProblemShape& s, std::mt19937_64& rng) {
     EXPECT_EQ(g.bm % (16 * g.warps_m), 0);
     EXPECT_EQ(g.bn % (32 * g.warps_n), 0);
   }
-  // Split-K (skinny tiles, one-block permutation only): whole K chunks, no empty split, partials and counters
+  // Split-K (weights-as-A tiles, one-block permutation only): whole K chunks, no empty split, partials and counters
   // sized for the grid (max_m_tiles), the choice made for split_m_tiles (the tiles expected under uniform routing):
   // no more than max_m_tiles, no fewer than the local rows' share needs when full.
   EXPECT_LE(p.split_m_tiles, p.max_m_tiles);

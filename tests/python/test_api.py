@@ -69,7 +69,7 @@ def test_build_info():
     if meta is not None:  # METADATA.json beside the binary agrees with the binary
         assert meta["version"] == info["version"] and meta["source_hash"] == info["source_hash"]
         assert meta["min_glibc"]
-        # None only when libstdc++ is linked statically (as the device image's toolchain does).
+        # None only when libstdc++ is linked statically (as some GCC toolchains do).
         needs_libstdcxx = any(v.startswith("libstdc++") for v in meta["needed_versions"])
         assert bool(meta["min_glibcxx"]) == needs_libstdcxx
 
