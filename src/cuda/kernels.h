@@ -212,7 +212,7 @@ struct GemmProblem {
   int dense_rows = 0;
   int m_band = 0;                  // tile order: bands of m_band m tiles (plan.h MoePlan::m_band1; 0: one band), tile_of
   DeviceMatrix B;
-  // Split-K (skinny tiles only, plan.h split1/split2): `split` blocks share a tile's K chunks; each writes its
+  // Split-K (weights-as-A tiles only, plan.h split1/split2): `split` blocks share a tile's K chunks; each writes its
   // chunk sums to partials and the last to arrive adds them in chunk order (counters: one per tile, zero
   // between calls — the one-block permutation zeroes them, or the routing under entry tiles; the last block of a tile
   // resets its own).

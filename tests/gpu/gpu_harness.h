@@ -46,6 +46,13 @@ inline TensorView dview(const DevBuf& b, DType t, std::initializer_list<int64_t>
   return make_view(b.get(), t, shape, Backend::CUDA, 0);
 }
 
+// A model shape of SPEC §1 by name (include/fp4moe/model_shapes.h); aborts on a name it does not know.
+inline ModelShape model(const char* name) {
+  const ModelShape* m = find_model_shape(name);
+  if (!m) std::abort();
+  return *m;
+}
+
 // One test case: a model shape (possibly with fewer experts), the call's options.
 struct Case {
   ModelShape shape;

@@ -85,7 +85,7 @@ if has fuzz; then
   tail -1 "$LOGS/py-build.log" | sed 's/^/== python build /' | tee -a "$S"
   export FP4MOE_BUILD_DIR=$PWD/build-py PYTHONUNBUFFERED=1 FP4MOE_FUZZ_PROFILE=long \
     FP4MOE_FUZZ_EXAMPLES=${FUZZ_EXAMPLES:-2000} FP4MOE_FUZZ_REPORT="$LOGS/fuzz.json"
-  step fuzz "$(left)" python3 -m pytest -q -p no:cacheprovider tests/python/test_fuzz_api.py
+  step fuzz "$(left)" python3 -m pytest -q -p no:cacheprovider tests/python/test_fuzz_*.py
   tail -5 "$LOGS/fuzz.log" | tee -a "$S"
 fi
 say "== total $(( $(date +%s) - t0 )) s"
