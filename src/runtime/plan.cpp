@@ -165,9 +165,14 @@ MoePlan make_plan(const ProblemShape& shape) {
   // against 474 us on the wgmma tile; at 16 rows it lost to the 32-row tile by 3-10 % but on qwen3_30b_a3b_tp4;
   // against the 8-row tile: deepseek_v3_ep8 T=160 / 192 0.97 / 0.93, kimi_k3_tp8 T=256 0.97, at 4 rows 1.01).
   const bool few_experts = s.E_total <= kFewExperts;
+  // The warp-specialised wgmma tile (128 tokens x 256 weight rows, one block an SM) from kWsRows expected rows an
+  // expert on experts of I >= kWsMinI, NVFP4 weights without LoRA (the cases measured: bench/NOTES.md, "A warp-
+  // specialised wgmma tile"); below, its mostly empty 128-row tiles and 256-row tiles past N lose to Wgmma64.
+  const bool ws = s.format == WeightFormat::NVFP4 && !s.has_lora && avg_rows >= kWsRows && s.I >= kWsMinI;
   auto choose = [&](bool wgmma) {
     GemmTile t = GemmTile::TokensAsA64;
-    if (wgmma && p.rows >= 32 * s.E_total && !lora_thin) t = GemmTile::Wgmma64;
+    if (wgmma && ws) t = GemmTile::WgmmaWs128;
+    else if (wgmma && p.rows >= 32 * s.E_total && !lora_thin) t = GemmTile::Wgmma64;
     else if (avg_rows <= (few_experts ? 8 : 4)) t = GemmTile::SplitKDecode;
     else if (avg_rows <= 12) t = GemmTile::WeightsAsA16;
     else if (few_experts && wgmma) t = GemmTile::Wgmma64;

@@ -219,6 +219,8 @@ constexpr int64_t kFewExperts = 16;
 // With LoRA on experts this thin (I <= kLoraThinI) the wgmma tile waits for kLoraThinRows expected rows an expert, not
 // 32 (make_plan's tile choice; measured on qwen3_30b_a3b_tp4, I = 192: bench/NOTES.md).
 constexpr int64_t kLoraThinI = 256, kLoraThinRows = 80;
+// The warp-specialised wgmma tile from this many expected rows an expert, on experts of I >= kWsMinI (make_plan).
+constexpr int64_t kWsRows = 80, kWsMinI = 384;
 
 constexpr int kNumGemmConfigs = 6;
 inline constexpr GemmConfig kGemmConfigs[kNumGemmConfigs] = {

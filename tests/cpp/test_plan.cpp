@@ -29,9 +29,9 @@ void check_plan(const ProblemShape& s, std::mt19937_64& rng) {
   const MoePlan p = make_plan(s);
   ASSERT_EQ(workspace_size(s), p.workspace_bytes);
   if (!s.device.wgmma && s.gemm_config < 0) {
-    // On a wgmma device: the 64-token wgmma tile from 32 expected rows a local expert on (the 128-token one only
-    // when forced), the same workspace
-    // (workspace_size is asked without a device), and a plan that keeps every invariant below.
+    // On a wgmma device: the 64-token wgmma tile from 32 expected rows a local expert on, the warp-specialised one
+    // from kWsRows on experts of I >= kWsMinI (NVFP4, no LoRA), the same workspace (workspace_size is asked without
+    // a device), and a plan that keeps every invariant below.
     ProblemShape w = s;
     w.device.wgmma = true;
     const MoePlan pw = make_plan(w);
@@ -41,7 +41,9 @@ void check_plan(const ProblemShape& s, std::mt19937_64& rng) {
     // Layers of at most kFewExperts experts take it above 12 rows an expert too (the 16-row tile from 9 to 12).
     const bool few = E_total <= kFewExperts;
     const bool wgmma_tile = (p.rows >= 32 * E_total && !lora_thin) || (few && p.rows > 12 * E_total);
-    EXPECT_EQ(pw.gemm_config, wgmma_tile ? 3 : p.gemm_config);
+    const bool ws_tile = s.format == WeightFormat::NVFP4 && !s.has_lora && s.I >= kWsMinI &&
+                         (p.rows + E_total - 1) / E_total >= kWsRows;
+    EXPECT_EQ(pw.gemm_config, ws_tile ? 5 : wgmma_tile ? 3 : p.gemm_config);
     if (few && p.rows > 0 && p.rows <= 8 * E_total) EXPECT_EQ(p.gemm_config, 0);
     if (few && p.rows > 8 * E_total && p.rows <= 12 * E_total)
       EXPECT_EQ(p.gemm_config, static_cast<int>(GemmTile::WeightsAsA16));
@@ -424,13 +426,14 @@ TEST(Plan, LoraNeverChangesChunkingOrTiles) {
       EXPECT_EQ(p.out.offset, p0.out.offset);
       EXPECT_EQ(p.act.offset, p0.act.offset);
       EXPECT_GE(p.workspace_bytes, p0.workspace_bytes);
-      // On a wgmma device LoRA may keep the 32-row tile where the base takes the wgmma tile (plan.cpp); the chunking
-      // and the base buffers' layout stay.
+      // On a wgmma device LoRA may keep the 32-row tile where the base takes the wgmma tile, or the 64-token wgmma
+      // tile where the base takes the warp-specialised one (plan.cpp); the chunking and the base buffers' layout stay.
       ProblemShape bw = base, sw = s;
       bw.device.wgmma = sw.device.wgmma = true;
       const MoePlan pb = make_plan(bw), ps = make_plan(sw);
       EXPECT_EQ(ps.chunk_tokens, pb.chunk_tokens);
-      EXPECT_TRUE(ps.gemm_config == pb.gemm_config || (pb.gemm_config == 3 && ps.gemm_config == p.gemm_config));
+      EXPECT_TRUE(ps.gemm_config == pb.gemm_config || (pb.gemm_config == 3 && ps.gemm_config == p.gemm_config) ||
+                  (pb.gemm_config == 5 && (ps.gemm_config == 3 || ps.gemm_config == p.gemm_config)));
       EXPECT_EQ(ps.out.offset, pb.out.offset);
       EXPECT_EQ(ps.act.offset, pb.act.offset);
       check_plan(s, rng);
