@@ -1,0 +1,264 @@
+"""The plan of one MoE layer (its tensors, checked from the headers) and the routing and activation its config
+gives (fp4moe.checkpoint)."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+from ._ckpt_files import _FLOAT_DTYPES, Checkpoint, ErrorCode, _fail, _TensorRef, error
+from ._ckpt_quant import _linear
+from ._enums import ActivationType, RoutingMethod, parse_enum
+
+# Projection names of one expert, per architecture family: (gate, up, down).
+_PER_EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+
+_LAYER_RE = re.compile(r"^(?P<prefix>(?:.*\.)?layers\.(?P<layer>\d+)\.)(?P<block>mlp|block_sparse_moe)\.")
+
+
+@dataclass
+class _ExpertsPlan:
+    fmt: str
+    gated: bool
+    E: int
+    H: int
+    I: int
+    experts: list                 # per expert (gate, up, down) _Linear (up None when not gated), or fused refs
+    fused: Optional[dict] = None  # GPT-OSS / transformers-5 fused tensors
+    fused_layout: str = ""
+
+    @property
+    def nbytes(self) -> int:
+        if self.fused is not None:
+            return sum(t.nbytes for t in self.fused.values() if t is not None)
+        return sum(l.nbytes for e in self.experts for l in e if l is not None)
+
+
+@dataclass
+class _LayerPlan:
+    layer: int
+    prefix: str
+    block: str
+    architecture: str
+    routed: _ExpertsPlan
+    shared: Optional[_ExpertsPlan]
+    router_weight: Optional[_TensorRef]
+    router_bias: Optional[_TensorRef]
+    correction_bias: Optional[_TensorRef]
+
+    @property
+    def nbytes(self) -> int:
+        return self.routed.nbytes + (self.shared.nbytes if self.shared else 0) + sum(
+            t.nbytes for t in (self.router_weight, self.router_bias, self.correction_bias) if t is not None)
+
+
+def _model_type(ck: Checkpoint) -> str:
+    c = ck.config if isinstance(ck.config, dict) else {}
+    mt = str(c.get("model_type", ""))
+    tc = c.get("text_config")
+    if isinstance(tc, dict) and tc.get("model_type"):
+        mt = str(tc["model_type"])
+    return mt
+
+
+def _text_config(ck: Checkpoint) -> dict:
+    c = ck.config if isinstance(ck.config, dict) else {}
+    tc = c.get("text_config")
+    return tc if isinstance(tc, dict) else c
+
+
+def moe_layers(ck: Checkpoint) -> dict:
+    """{layer index: (prefix, block)} of the layers whose tensors include experts."""
+    found = {}
+    for n in ck.names:
+        m = _LAYER_RE.match(n)
+        if m and n[m.end():].startswith("experts."):
+            L = int(m.group("layer"))
+            key = (m.group("prefix"), m.group("block"))
+            if L in found and found[L] != key:
+                raise _fail(f"{ck.path}: layer {L} has experts under two prefixes ({found[L][0]}, {key[0]})")
+            found[L] = key
+    return dict(sorted(found.items()))
+
+
+def _expert_ids(ck: Checkpoint, base: str) -> list:
+    ids = set()
+    pat = re.compile(re.escape(base) + r"(\d+)\.")
+    for n in ck.names:
+        m = pat.match(n)
+        if m:
+            ids.add(int(m.group(1)))
+    return sorted(ids)
+
+
+def _plan_experts(ck: Checkpoint, base: str, ids: list, gated: bool, what: str) -> _ExpertsPlan:
+    """Per-expert linears under `base` (…experts.) for expert ids `ids` (or a shared expert: base is its module)."""
+    names = None
+    probe = f"{base}{ids[0]}." if ids else base
+    for cand in _PER_EXPERT_NAMES:
+        if any(ck.has(f"{probe}{cand[2]}.{s}") for s in ("weight", "weight_packed")):
+            names = cand
+            break
+    if names is None:
+        raise _fail(f"{ck.path}: {what}: no down projection ('{probe}down_proj.weight' or '{probe}w2.weight')",
+                    ErrorCode.NotFound)
+    g, u, d = names
+    # H, I from the first expert's down projection: [H, I] float or [H, I/2] packed.
+    lin_names = [probe + d + ".weight_packed", probe + d + ".weight"]
+    dn = next(n for n in lin_names if ck.has(n))
+    dt, sh = ck.meta(dn)
+    if len(sh) != 2:
+        raise _fail(f"{ck.file_of(dn)}: tensor '{dn}': expected a 2-D weight, got shape {list(sh)}")
+    H, I = sh[0], sh[1] * (2 if dt == "U8" else 1)
+    if H % 16 or I % 16:
+        raise _fail(f"{ck.file_of(dn)}: tensor '{dn}': H={H} and I={I} must be multiples of 16")
+    experts = []
+    fmts = set()
+    for e in (ids if ids else [None]):
+        m = base if e is None else f"{base}{e}."
+        gate = _linear(ck, m + g, I, H)
+        up = _linear(ck, m + u, I, H) if gated else None
+        down = _linear(ck, m + d, H, I)
+        experts.append((gate, up, down))
+        fmts |= {l.fmt for l in (gate, up, down) if l is not None}
+    if len(fmts) > 1:
+        raise _fail(f"{ck.path}: {what}: some experts are NVFP4 and some unquantized; one layer's experts must "
+                    f"share one format")
+    return _ExpertsPlan(fmts.pop(), gated, len(experts), H, I, experts)
+
+
+def _plan_fused(ck: Checkpoint, base: str, layout: str, gated: bool) -> _ExpertsPlan:
+    gu = base + "gate_up_proj"
+    if ck.has(gu + "_blocks"):
+        raise _fail(f"{ck.file_of(gu + '_blocks')}: tensor '{gu}_blocks' is MXFP4 (GPT-OSS release); fp4moe reads "
+                    f"NVFP4 or bf16 experts", ErrorCode.Unsupported)
+    dt, sh = ck.meta(gu)
+    if dt not in _FLOAT_DTYPES:
+        raise _fail(f"{ck.file_of(gu)}: tensor '{gu}': fused expert tensors are read in BF16/F16/F32, got {dt} "
+                    f"(quantized checkpoints store experts one by one)", ErrorCode.Unsupported)
+    if len(sh) != 3:
+        raise _fail(f"{ck.file_of(gu)}: tensor '{gu}': expected [E, H, 2I] or [E, 2I, H], got {list(sh)}")
+    dshape = ck.meta(base + "down_proj")[1]
+    E = sh[0]
+    if layout.startswith("gpt_oss"):  # [E, H, 2I], down [E, I, H]
+        H, n1 = sh[1], sh[2]
+    else:  # transformers 5: [E, 2I, H], down [E, H, I]
+        n1, H = sh[1], sh[2]
+    I = n1 // 2 if gated else n1
+    refs = {"gate_up": ck.tensor(gu, _FLOAT_DTYPES, (E, H, n1) if layout.startswith("gpt_oss") else (E, n1, H)),
+            "down": ck.tensor(base + "down_proj", _FLOAT_DTYPES,
+                              (E, I, H) if layout.startswith("gpt_oss") else (E, H, I),
+                              f" to match '{gu}' {list(sh)}")}
+    for key, name, shape in (("bias1", gu + "_bias", (E, n1)), ("bias2", base + "down_proj_bias", (E, H))):
+        refs[key] = ck.tensor(name, _FLOAT_DTYPES, shape) if ck.has(name) else None
+    del dshape
+    if H % 16 or I % 16:
+        raise _fail(f"{ck.file_of(gu)}: tensor '{gu}': H={H} and I={I} must be multiples of 16")
+    return _ExpertsPlan("bf16", gated, E, H, I, [], refs, layout)
+
+
+def _plan_layer(ck: Checkpoint, layer: int, gated: bool, fused_layout: Optional[str]) -> _LayerPlan:
+    layers = moe_layers(ck)
+    if layer not in layers:
+        have = list(layers)
+        raise _fail(f"{ck.path}: layer {layer} has no MoE experts (MoE layers: "
+                    f"{have[:8]}{' ...' if len(have) > 8 else ''})", ErrorCode.NotFound)
+    prefix, block = layers[layer]
+    mb = prefix + block + "."
+    base = mb + "experts."
+    mt = _model_type(ck)
+    ids = _expert_ids(ck, base)
+    if ids:
+        if ids != list(range(len(ids))):
+            missing = sorted(set(range(ids[-1] + 1)) - set(ids))
+            raise _fail(f"{ck.path}: tensor '{base}{missing[0]}.*' is missing (experts {ids[0]}..{ids[-1]} "
+                        f"expected)", ErrorCode.NotFound)
+        routed = _plan_experts(ck, base, ids, gated, f"layer {layer} experts")
+        arch = {"mixtral": "Mixtral"}.get(mt, "") or ("Mixtral" if block == "block_sparse_moe" else "")
+        if not arch:
+            arch = {"qwen3_moe": "Qwen3-MoE", "deepseek_v3": "DeepSeek-V3", "kimi_k2": "Kimi-K2",
+                    "gpt_oss": "GPT-OSS"}.get(mt, mt or "per-expert MoE")
+    elif ck.has(base + "gate_up_proj") or ck.has(base + "gate_up_proj_blocks"):
+        layout = fused_layout or ("gpt_oss_interleaved" if mt == "gpt_oss" else "")
+        if not layout and ck.has(base + "gate_up_proj"):
+            raise _fail(f"{ck.path}: tensor '{base}gate_up_proj': fused experts without a config.json model_type "
+                        f"that fixes their layout; pass fused_layout='gpt_oss_interleaved', 'gpt_oss_blocked' or "
+                        f"'hf'")
+        routed = _plan_fused(ck, base, layout, gated)
+        arch = "GPT-OSS" if layout.startswith("gpt_oss") else (mt or "fused experts")
+    else:
+        raise _fail(f"{ck.path}: layer {layer}: no expert tensors under '{base}'", ErrorCode.NotFound)
+    shared = None
+    for sname in ("shared_experts.", "shared_expert."):
+        sb = mb + sname
+        if ck.has(sb + "down_proj.weight") or ck.has(sb + "down_proj.weight_packed"):
+            if ck.has(mb + "shared_expert_gate.weight"):
+                raise _fail(f"{ck.file_of(mb + 'shared_expert_gate.weight')}: tensor '{mb}shared_expert_gate.weight':"
+                            f" a sigmoid-gated shared expert is not fp4moe's weight-1 shared expert",
+                            ErrorCode.Unsupported)
+            shared = _plan_experts(ck, sb, [], gated, f"layer {layer} shared expert")
+            if shared.H != routed.H:
+                raise _fail(f"{ck.path}: layer {layer}: the shared expert's H={shared.H} differs from the experts' "
+                            f"H={routed.H}")
+    H, E = routed.H, routed.E
+    rw = rb = cb = None
+    for rname in (mb + "gate.weight", mb + "router.weight"):
+        if ck.has(rname):
+            rw = ck.tensor(rname, _FLOAT_DTYPES, (E, H), " (the router [E, H])")
+            bname = rname[:-len("weight")] + "bias"
+            rb = ck.tensor(bname, _FLOAT_DTYPES, (E,)) if ck.has(bname) else None
+    if ck.has(mb + "gate.e_score_correction_bias"):
+        cb = ck.tensor(mb + "gate.e_score_correction_bias", _FLOAT_DTYPES, (E,))
+    return _LayerPlan(layer, prefix, block, arch, routed, shared, rw, rb, cb)
+
+
+# ---- configuration: routing and activation ----------------------------------------------------------------
+
+def _routing_of(ck: Checkpoint, layer: int, E: int) -> dict:
+    c = _text_config(ck)
+    mt = _model_type(ck)
+    k = int(c.get("num_experts_per_tok", c.get("experts_per_token", 0)) or 0)
+    out = {"routing_method": None, "top_k": k, "num_experts": E, "n_group": 1, "topk_group": 1,
+           "routed_scaling_factor": 1.0}
+    if mt in ("qwen3_moe", "qwen2_moe", "qwen3_next"):
+        out["routing_method"] = RoutingMethod.RenormalizeNaive if c.get("norm_topk_prob", True) else \
+            RoutingMethod.Default
+        out["num_experts"] = int(c.get("num_experts", E))
+    elif mt in ("mixtral", "gpt_oss"):
+        out["routing_method"] = RoutingMethod.Renormalize
+        out["num_experts"] = int(c.get("num_local_experts", E))
+    elif mt in ("deepseek_v3", "kimi_k2", "kimi_k25", "deepseek_v32"):
+        if str(c.get("scoring_func", "sigmoid")) != "sigmoid":
+            raise _fail(f"{ck.path / 'config.json'}: scoring_func {c.get('scoring_func')!r}: fp4moe's DeepSeekV3 "
+                        f"routing scores with sigmoid", ErrorCode.Unsupported)
+        out.update(routing_method=RoutingMethod.DeepSeekV3, num_experts=int(c.get("n_routed_experts", E)),
+                   n_group=int(c.get("n_group", 1) or 1), topk_group=int(c.get("topk_group", 1) or 1),
+                   routed_scaling_factor=float(c.get("routed_scaling_factor", 1.0) or 1.0))
+    return out
+
+
+def _activation_of(ck: Checkpoint, activation) -> tuple[ActivationType, Optional[float], Optional[float],
+                                                        Optional[float]]:
+    """(type, alpha, beta, clamp_limit): `activation` (a type or a dict with "type", "alpha", "beta",
+    "clamp_limit") overrides the config."""
+    if activation is not None:
+        if isinstance(activation, dict):
+            d = dict(activation)
+            t = parse_enum(ActivationType, d.pop("type"), "activation")
+            a, b, l = d.pop("alpha", None), d.pop("beta", None), d.pop("clamp_limit", None)
+            if d:
+                raise error("activation", f"unknown keys {sorted(d)} (type, alpha, beta, clamp_limit)")
+            return t, a, b, l
+        return parse_enum(ActivationType, activation, "activation"), None, None, None
+    c = _text_config(ck)
+    if _model_type(ck) == "gpt_oss":
+        return ActivationType.SwigluBias, 1.702, 1.0, float(c.get("swiglu_limit", 7.0))
+    act = c.get("hidden_act", c.get("hidden_activation"))
+    table = {"silu": ActivationType.Swiglu, "swish": ActivationType.Swiglu, "gelu": ActivationType.Geglu,
+             "gelu_pytorch_tanh": ActivationType.GegluTanh, "gelu_new": ActivationType.GegluTanh}
+    if act is None:
+        raise error("activation", f"{ck.path}: config.json names no hidden_act; pass activation=")
+    if act not in table:
+        raise error("activation", f"{ck.path / 'config.json'}: hidden_act {act!r} has no fp4moe gated activation; "
+                                  f"pass activation=", ErrorCode.Unsupported)
+    return table[act], None, None, None
