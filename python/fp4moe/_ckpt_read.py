@@ -67,7 +67,6 @@ def _read_nvfp4(plan: _ExpertsPlan, experts: list, t0: int, ts: int, prog: _Prog
     s2 = np.empty((E, H, ts // 16), E4M3)
     g1 = np.empty((E, 2) if plan.gated else (E,), np.float32)
     g2 = np.empty((E,), np.float32)
-    in1, in2 = [], []
     rows = slice(t0, t0 + ts)
     for i, (gate, up, down) in enumerate(experts):
         halves = [gate, up] if plan.gated else [gate]
@@ -79,17 +78,20 @@ def _read_nvfp4(plan: _ExpertsPlan, experts: list, t0: int, ts: int, prog: _Prog
                 g1[i, h] = v
             else:
                 g1[i] = v
-            if lin.input_scale is not None:
-                in1.append(lin.read_input_scale())
         w2[i] = down.weight.read((slice(None), slice(t0 // 2, (t0 + ts) // 2)))
         s2[i] = down.scale.read((slice(None), slice(t0 // 16, (t0 + ts) // 16)))
         g2[i] = down.read_scale2()
-        if down.input_scale is not None:
-            in2.append(down.read_input_scale())
         prog.add(sum(l.nbytes for l in (gate, up, down) if l is not None) * ts // I)
-    # A4: one per-tensor input scale for all experts, the largest (as vLLM's NVFP4 MoE loaders do).
-    return {"w1": w1, "w1_scale": s1, "w1_scale2": g1, "w2": w2, "w2_scale": s2, "w2_scale2": g2,
-            "fc1_input_scale": float(max(in1)) if in1 else 0.0, "fc2_input_scale": float(max(in2)) if in2 else 0.0}
+    return {"w1": w1, "w1_scale": s1, "w1_scale2": g1, "w2": w2, "w2_scale": s2, "w2_scale2": g2}
+
+
+def _input_scales(plan: _ExpertsPlan) -> tuple[float, float]:
+    """The layer's A4 input scales (fc1, fc2): one per-tensor scale for all experts, the largest over every expert
+    of the layer, as vLLM's and SGLang's NVFP4 MoE loaders take it. An EP rank reads them all (a few bytes each),
+    so that every rank quantizes the activations alike and the ranks' sum is the layer's output."""
+    in1 = [l.read_input_scale() for e in plan.experts for l in e[:2] if l is not None and l.input_scale is not None]
+    in2 = [e[2].read_input_scale() for e in plan.experts if e[2].input_scale is not None]
+    return float(max(in1)) if in1 else 0.0, float(max(in2)) if in2 else 0.0
 
 
 def _to_bf16(a: np.ndarray) -> np.ndarray:

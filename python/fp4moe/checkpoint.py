@@ -24,7 +24,7 @@ import numpy as np
 
 from ._ckpt_files import ARG, Checkpoint, _Shard, _fail  # noqa: F401  (_Shard: for tests that rewrite shards)
 from ._ckpt_plan import _activation_of, _model_type, _plan_layer, _routing_of, moe_layers
-from ._ckpt_read import _Progress, _read_bf16, _read_nvfp4, _tp_slices, _window
+from ._ckpt_read import _input_scales, _Progress, _read_bf16, _read_nvfp4, _tp_slices, _window
 from ._enums import ActivationType, RoutingMethod, is_gated
 
 __all__ = ["Checkpoint", "MoeLayer", "Router", "load_moe_layer", "read_moe_layer", "inspect_checkpoint",
@@ -130,15 +130,12 @@ def read_moe_layer(checkpoint, layer: int, *, tp=None, ep=None, activation=None,
             routed = _read_nvfp4(R, local, t0, ts, prog)
         else:
             routed = _read_bf16(R, local, e0, ne, t0, ts, rank0, prog)
-        fc1 = routed.pop("fc1_input_scale", 0.0)
-        fc2 = routed.pop("fc2_input_scale", 0.0)
+        fc1, fc2 = _input_scales(R)
         shared = None
         if sh_t is not None:
             S = plan.shared
             shared = (_read_nvfp4(S, S.experts, sh_t[0], sh_t[1], prog) if S.fmt == "nvfp4"
                       else _read_bf16(S, S.experts, 0, 1, sh_t[0], sh_t[1], rank0, prog))
-            shared.pop("fc1_input_scale", None)
-            shared.pop("fc2_input_scale", None)
         router = Router(plan.router_weight.read() if plan.router_weight else None,
                         plan.router_bias.read() if plan.router_bias else None,
                         plan.correction_bias.read() if plan.correction_bias else None, **routing)

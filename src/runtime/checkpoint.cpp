@@ -235,8 +235,8 @@ void copy_block(const std::vector<uint8_t>& src, int64_t row_bytes, int64_t r0, 
   for (int64_t r = 0; r < nr; ++r) std::memcpy(dst + r * nc, src.data() + (r0 + r) * row_bytes + c0, static_cast<size_t>(nc));
 }
 
-OwnedWeights read_experts(Store& s, const ExpertsPlan& p, int64_t e0, int64_t ne, int64_t t0, int64_t ts, float* in1,
-                          float* in2, uint64_t* bytes) {
+OwnedWeights read_experts(Store& s, const ExpertsPlan& p, int64_t e0, int64_t ne, int64_t t0, int64_t ts,
+                          uint64_t* bytes) {
   OwnedWeights o;
   o.format = p.nvfp4 ? WeightFormat::NVFP4 : WeightFormat::BF16;
   o.order = GateUpOrder::GateFirst;
@@ -269,7 +269,6 @@ OwnedWeights read_experts(Store& s, const ExpertsPlan& p, int64_t e0, int64_t ne
         copy_block(raw(l.w), H / 2, t0, ts, 0, H / 2, o.w1.data() + (i * n1 + h * ts) * (H / 2));
         copy_block(raw(l.scale), H / 16, t0, ts, 0, H / 16, o.w1_scale.data() + (i * n1 + h * ts) * (H / 16));
         o.w1_scale2[2 * i + h] = read_scalar(s, l.scale2, l.inverse);
-        if (!l.input.empty()) *in1 = std::max(*in1, read_scalar(s, l.input, l.inverse));
       } else {
         const std::vector<uint16_t> v = s.file(s.where.at(l.w)).read_bf16(s.info(l.w));
         *bytes += s.info(l.w).end - s.info(l.w).begin;
@@ -281,7 +280,6 @@ OwnedWeights read_experts(Store& s, const ExpertsPlan& p, int64_t e0, int64_t ne
       copy_block(raw(d.w), I / 2, 0, H, t0 / 2, ts / 2, o.w2.data() + i * H * (ts / 2));
       copy_block(raw(d.scale), I / 16, 0, H, t0 / 16, ts / 16, o.w2_scale.data() + i * H * (ts / 16));
       o.w2_scale2[i] = read_scalar(s, d.scale2, d.inverse);
-      if (!d.input.empty()) *in2 = std::max(*in2, read_scalar(s, d.input, d.inverse));
     } else {
       const std::vector<uint16_t> v = s.file(s.where.at(d.w)).read_bf16(s.info(d.w));
       *bytes += s.info(d.w).end - s.info(d.w).begin;
@@ -290,6 +288,18 @@ OwnedWeights read_experts(Store& s, const ExpertsPlan& p, int64_t e0, int64_t ne
     }
   }
   return o;
+}
+
+// The layer's A4 input scales: one per-tensor scale for all experts, the largest over every expert of the layer
+// (as vLLM's and SGLang's NVFP4 MoE loaders take it). An EP rank reads them all (a few bytes each), so that every
+// rank quantizes the activations alike and the ranks' sum is the layer's output.
+void input_scales(Store& s, const ExpertsPlan& p, float* in1, float* in2) {
+  for (const auto& lin : p.experts)
+    for (int j = 0; j < 3; ++j)
+      if (!lin[j].input.empty()) {
+        float& acc = j < 2 ? *in1 : *in2;
+        acc = std::max(acc, read_scalar(s, lin[j].input, lin[j].inverse));
+      }
 }
 
 std::vector<float> read_f32(Store& s, const std::string& name) {
@@ -338,12 +348,12 @@ CheckpointLayer read_moe_layer(const std::string& dir, int layer, const Checkpoi
     return std::pair<int64_t, int64_t>(opt.tp_rank * ts, ts);
   };
   const auto [t0, ts] = tp_rows(R.I);
+  out.routed = read_experts(s, R, win.offset, win.count, t0, ts, &out.bytes_read);
   float in1 = 0.f, in2 = 0.f;
-  out.routed = read_experts(s, R, win.offset, win.count, t0, ts, &in1, &in2, &out.bytes_read);
+  input_scales(s, R, &in1, &in2);
   if (p.has_shared && opt.shared_expert) {
     const auto [s0, ss] = tp_rows(p.shared.I);
-    float u1 = 0.f, u2 = 0.f;
-    out.shared = read_experts(s, p.shared, 0, 1, s0, ss, &u1, &u2, &out.bytes_read);
+    out.shared = read_experts(s, p.shared, 0, 1, s0, ss, &out.bytes_read);
     out.has_shared = true;
   }
   if (!p.router.empty()) out.router.weight = read_f32(s, p.router);

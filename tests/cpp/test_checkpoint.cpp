@@ -10,6 +10,7 @@
 #include <fstream>
 #include <functional>
 #include <random>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -232,6 +233,37 @@ TEST(Checkpoint, TensorAndExpertParallelShards) {
     EXPECT_EQ(l.local_expert_offset, w.offset);
     expect_same(l.routed, slice_experts(m.truth[0].desc(), w.offset, w.count));
   }
+}
+
+// EP in A4 (issue 45): every rank takes the input scales of the whole layer, not the largest of its own experts.
+TEST(Checkpoint, ExpertParallelA4TakesTheLayersInputScales) {
+  TempDir d;
+  const Model m = make_model(Fmt::ModelOpt, 1, 6, 32, 16, 11);
+  write_model(d.path, Fmt::ModelOpt, m, 1);
+  const CheckpointLayer whole = read_moe_layer(d.path.string(), 0);
+  ASSERT_EQ(whole.mode, ActMode::A4);
+  std::set<std::pair<float, float>> own;  // each rank's largest input scales of its own experts
+  for (int r = 0; r < 3; ++r) {
+    CheckpointOptions o;
+    o.ep_rank = r, o.ep_world = 3;
+    const CheckpointLayer l = read_moe_layer(d.path.string(), 0, o);
+    EXPECT_EQ(l.mode, ActMode::A4);
+    EXPECT_EQ(l.fc1_input_scale, whole.fc1_input_scale) << "rank " << r;
+    EXPECT_EQ(l.fc2_input_scale, whole.fc2_input_scale) << "rank " << r;
+    float in1 = 0.f, in2 = 0.f;
+    for (const auto& t : m.tensors) {
+      const size_t at = t.name.find("experts.");
+      if (t.name.size() < 12 || t.name.compare(t.name.size() - 12, 12, ".input_scale") != 0 || at == std::string::npos) continue;
+      const int64_t e = std::stoi(t.name.substr(at + 8));
+      if (e < l.local_expert_offset || e >= l.local_expert_offset + l.num_local_experts) continue;
+      float v;
+      std::memcpy(&v, t.bytes.data(), 4);
+      float& acc = t.name.find("down_proj") != std::string::npos ? in2 : in1;
+      acc = std::max(acc, v);
+    }
+    own.insert({in1, in2});
+  }
+  EXPECT_GT(own.size(), 1u) << "the ranks' own maxima must differ for the test to tell the rules apart";
 }
 
 TEST(Checkpoint, BadFilesNameFileAndTensor) {
