@@ -46,6 +46,7 @@ struct CheckpointLayer {
   CheckpointRouter router;
   ActivationType activation = ActivationType::Swiglu;
   ActMode mode = ActMode::A16;        // A4 when every expert carries input scales (W4A4 checkpoints)
+  std::string mode_reason;            // why A16 (e.g. the expert whose input_scale is missing); "" in A4
   float fc1_input_scale = 0.f, fc2_input_scale = 0.f;  // dequant scales; the largest over the experts
   int64_t num_experts = 0, local_expert_offset = 0, num_local_experts = 0;
   uint64_t bytes_read = 0;
@@ -74,6 +75,7 @@ struct CheckpointLayerInfo {
   bool router = false, correction_bias = false;
   std::string routing;  // the routing method's name, or "" when unknown
   int64_t top_k = 0;
+  std::string mode, mode_reason;  // "a4" or "a16", and why A16 (CheckpointLayer's)
 };
 struct CheckpointInfo {
   std::string path, model_type, quantization;

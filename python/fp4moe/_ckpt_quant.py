@@ -138,6 +138,7 @@ class _Linear:
     scale2_inverse: bool = False   # compressed-tensors stores the encode scale
     input_scale: Optional[_TensorRef] = None
     input_inverse: bool = False
+    input_name: str = ""           # the input scale's tensor name (NVFP4), present or not
 
     @property
     def nbytes(self) -> int:
@@ -177,12 +178,9 @@ def _linear(ck: Checkpoint, module: str, n: int, k: int) -> _Linear:
         w = ck.tensor(module + ".weight_packed", ("U8",), (n, k // 2), where)
         s = ck.tensor(module + ".weight_scale", ("F8_E4M3",), (n, k // 16), where)
         s2 = _scalar_ref(ck, module + ".weight_global_scale")
-        ins = _scalar_ref(ck, module + ".input_global_scale") if q.a4 and ck.has(module + ".input_global_scale") \
-            else None
-        if q.a4 and ins is None:
-            raise _fail(f"{ck.file_of(module + '.weight_packed')}: tensor '{module}.input_global_scale' is missing "
-                        f"(the config quantizes activations)", ErrorCode.NotFound)
-        lin = _Linear(module, "nvfp4", w, s, s2, True, ins, True)
+        iname = module + ".input_global_scale"  # absent: the layer runs A16 (_ckpt_read._a4_scales)
+        ins = _scalar_ref(ck, iname) if q.a4 and ck.has(iname) else None
+        lin = _Linear(module, "nvfp4", w, s, s2, True, ins, True, iname)
     elif ck.has(module + ".weight"):
         dt, _ = ck.meta(module + ".weight")
         if dt == "U8":
@@ -192,14 +190,12 @@ def _linear(ck: Checkpoint, module: str, n: int, k: int) -> _Linear:
             w = ck.tensor(module + ".weight", ("U8",), (n, k // 2), where)
             s = ck.tensor(module + ".weight_scale", ("F8_E4M3",), (n, k // 16), where)
             s2 = _scalar_ref(ck, module + ".weight_scale_2")
-            ins = _scalar_ref(ck, module + ".input_scale") if ck.has(module + ".input_scale") else None
-            if q.a4 and ins is None and q.algo != "MIXED_PRECISION":
-                raise _fail(f"{ck.file_of(module + '.weight')}: tensor '{module}.input_scale' is missing "
-                            f"(quant_algo {q.algo} quantizes activations)", ErrorCode.NotFound)
+            iname = module + ".input_scale"  # absent: the layer runs A16 (_ckpt_read._a4_scales)
+            ins = _scalar_ref(ck, iname) if ck.has(iname) else None
             if ck.has(module + ".pre_quant_scale"):
                 raise _fail(f"{ck.file_of(module + '.weight')}: tensor '{module}.pre_quant_scale': AWQ-smoothed "
                             f"NVFP4 experts are not supported", ErrorCode.Unsupported)
-            lin = _Linear(module, "nvfp4", w, s, s2, False, ins, False)
+            lin = _Linear(module, "nvfp4", w, s, s2, False, ins, False, iname)
         elif dt in _FLOAT_DTYPES:
             if ck.has(module + ".weight_scale"):
                 raise _fail(f"{ck.file_of(module + '.weight_scale')}: tensor '{module}.weight_scale' beside a {dt} "

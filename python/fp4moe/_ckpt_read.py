@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from typing import Optional
 
 import numpy as np
 
@@ -85,13 +86,25 @@ def _read_nvfp4(plan: _ExpertsPlan, experts: list, t0: int, ts: int, prog: _Prog
     return {"w1": w1, "w1_scale": s1, "w1_scale2": g1, "w2": w2, "w2_scale": s2, "w2_scale2": g2}
 
 
-def _input_scales(plan: _ExpertsPlan) -> tuple[float, float]:
-    """The layer's A4 input scales (fc1, fc2): one per-tensor scale for all experts, the largest over every expert
-    of the layer, as vLLM's and SGLang's NVFP4 MoE loaders take it. An EP rank reads them all (a few bytes each),
-    so that every rank quantizes the activations alike and the ranks' sum is the layer's output."""
+def _a4_scales(quant, plan: _ExpertsPlan) -> tuple[str, Optional[str], float, float]:
+    """(mode, why not A4 or None, fc1_input_scale, fc2_input_scale) of a layer. The operator takes one per-tensor
+    input scale per GEMM for all experts: the largest over every expert of the layer, as vLLM's and SGLang's NVFP4
+    MoE loaders take it. An EP rank reads them all (a few bytes each), so that every rank quantizes the
+    activations alike and the ranks' sum is the layer's output. A4 only when every expert carries its input
+    scales; otherwise A16 (the default on Hopper), and the reason says which tensor is missing."""
+    lins = [l for e in plan.experts for l in e if l is not None]
     in1 = [l.read_input_scale() for e in plan.experts for l in e[:2] if l is not None and l.input_scale is not None]
     in2 = [e[2].read_input_scale() for e in plan.experts if e[2].input_scale is not None]
-    return float(max(in1)) if in1 else 0.0, float(max(in2)) if in2 else 0.0
+    fc1, fc2 = (float(max(in1)) if in1 else 0.0), (float(max(in2)) if in2 else 0.0)
+    missing = [l.input_name for l in lins if l.fmt == "nvfp4" and l.input_scale is None]
+    if plan.fmt != "nvfp4":
+        return "a16", "the experts are not quantized", fc1, fc2
+    if not quant.a4:
+        return "a16", f"{quant.describe()} does not quantize activations", fc1, fc2
+    if missing:
+        return "a16", (f"tensor '{missing[0]}' is missing ({len(missing)} of the layer's {len(lins)} expert linears "
+                       f"have no input scale): A4 needs every expert's"), fc1, fc2
+    return "a4", None, fc1, fc2
 
 
 def _to_bf16(a: np.ndarray) -> np.ndarray:

@@ -24,8 +24,9 @@ import numpy as np
 
 from ._ckpt_files import ARG, Checkpoint, _Shard, _fail  # noqa: F401  (_Shard: for tests that rewrite shards)
 from ._ckpt_plan import _activation_of, _model_type, _plan_layer, _routing_of, moe_layers
-from ._ckpt_read import _input_scales, _Progress, _read_bf16, _read_nvfp4, _tp_slices, _window
+from ._ckpt_read import _a4_scales, _Progress, _read_bf16, _read_nvfp4, _tp_slices, _window
 from ._enums import ActivationType, RoutingMethod, is_gated
+from ._errors import error
 
 __all__ = ["Checkpoint", "MoeLayer", "Router", "load_moe_layer", "read_moe_layer", "inspect_checkpoint",
            "format_inspect"]
@@ -63,7 +64,7 @@ class MoeLayer:
     gemm1_alpha: Optional[float]
     gemm1_beta: Optional[float]
     gemm1_clamp_limit: Optional[float]
-    mode: str                     # "a4" when the checkpoint quantizes activations, else "a16"
+    mode: str                     # "a4" when the config quantizes activations and every expert has input scales
     fc1_input_scale: float
     fc2_input_scale: float
     num_experts: int
@@ -71,6 +72,7 @@ class MoeLayer:
     num_local_experts: int
     bytes_read: int
     seconds: float
+    mode_reason: Optional[str] = None  # why the layer runs A16 (None in A4): e.g. the expert missing an input scale
 
     def moe_kwargs(self, mode: Optional[str] = None) -> dict:
         """Keyword arguments of fp4moe.moe for this layer, besides x, weights and the routing logits. mode: the
@@ -91,6 +93,8 @@ class MoeLayer:
                 kw.update(shared_alpha=self.gemm1_alpha, shared_beta=self.gemm1_beta,
                           shared_clamp_limit=self.gemm1_clamp_limit)
         m = self.mode if mode is None else mode
+        if m == "a4" and self.mode != "a4":
+            raise error("mode", f"layer {self.layer} cannot run A4: {self.mode_reason}")
         kw["mode"] = m
         if m == "a4":
             kw.update(fc1_input_scale=self.fc1_input_scale, fc2_input_scale=self.fc2_input_scale)
@@ -103,8 +107,9 @@ def read_moe_layer(checkpoint, layer: int, *, tp=None, ep=None, activation=None,
 
     Returns {"format": "nvfp4" | "bf16", "routed": prepare_weights (or prepare_bf16_weights) keyword
     arguments, "shared": the same for the shared expert or None, "router": Router, "activation": (type,
-    alpha, beta, clamp_limit), "mode", "fc1_input_scale", "fc2_input_scale", "architecture", "quantization",
-    "num_experts", "local_expert_offset", "num_local_experts", "bytes_read", "seconds"}."""
+    alpha, beta, clamp_limit), "mode", "mode_reason" (why A16, None in A4), "fc1_input_scale",
+    "fc2_input_scale", "architecture", "quantization", "num_experts", "local_expert_offset",
+    "num_local_experts", "bytes_read", "seconds"}."""
     t_start = time.perf_counter()
     own = not isinstance(checkpoint, Checkpoint)
     ck = Checkpoint(checkpoint) if own else checkpoint
@@ -130,7 +135,7 @@ def read_moe_layer(checkpoint, layer: int, *, tp=None, ep=None, activation=None,
             routed = _read_nvfp4(R, local, t0, ts, prog)
         else:
             routed = _read_bf16(R, local, e0, ne, t0, ts, rank0, prog)
-        fc1, fc2 = _input_scales(R)
+        mode, why, fc1, fc2 = _a4_scales(ck.quant, R)
         shared = None
         if sh_t is not None:
             S = plan.shared
@@ -139,11 +144,10 @@ def read_moe_layer(checkpoint, layer: int, *, tp=None, ep=None, activation=None,
         router = Router(plan.router_weight.read() if plan.router_weight else None,
                         plan.router_bias.read() if plan.router_bias else None,
                         plan.correction_bias.read() if plan.correction_bias else None, **routing)
-        mode = "a4" if (R.fmt == "nvfp4" and ck.quant.a4 and fc1 > 0 and fc2 > 0) else "a16"
         return {"format": R.fmt, "routed": routed, "shared": shared, "router": router, "activation": act,
-                "mode": mode, "fc1_input_scale": fc1, "fc2_input_scale": fc2, "architecture": plan.architecture,
-                "quantization": ck.quant.describe(), "num_experts": R.E, "local_expert_offset": e0,
-                "num_local_experts": ne, "bytes_read": total, "seconds": time.perf_counter() - t_start}
+                "mode": mode, "mode_reason": why, "fc1_input_scale": fc1, "fc2_input_scale": fc2,
+                "architecture": plan.architecture, "quantization": ck.quant.describe(), "num_experts": R.E,
+                "local_expert_offset": e0, "num_local_experts": ne, "bytes_read": total, "seconds": time.perf_counter() - t_start}
     finally:
         if own:
             ck.close()
@@ -183,7 +187,7 @@ def load_moe_layer(checkpoint, layer: int, *, device="cpu", tp=None, ep=None, ac
     return MoeLayer(int(layer), d["architecture"], d["format"], d["quantization"], weights, shared, d["router"],
                     act, alpha, beta, clamp, d["mode"], d["fc1_input_scale"], d["fc2_input_scale"],
                     d["num_experts"], d["local_expert_offset"], d["num_local_experts"], d["bytes_read"],
-                    d["seconds"])
+                    d["seconds"], d["mode_reason"])
 
 
 # ---- inspect ------------------------------------------------------------------------------------------------
@@ -214,6 +218,7 @@ def inspect_checkpoint(checkpoint, *, activation=None, fused_layout=None) -> dic
             routing = _routing_of(ck, L, R.E)
             row["routing"] = routing["routing_method"].name if routing["routing_method"] is not None else None
             row["top_k"] = routing["top_k"]
+            row["mode"], row["mode_reason"] = _a4_scales(ck.quant, R)[:2]
             row["load"] = True
         except Exception as e:  # inspect reports what load_moe_layer would refuse, it does not raise
             row["load"] = False
@@ -237,7 +242,11 @@ def format_inspect(info: dict) -> str:
                          f"{', routing ' + str(r.get('routing')) + ' top_k ' + str(r.get('top_k')) if r['load'] else ''}")
         else:
             lines.append(f"  layer {r['layer']:3d}:")
-        lines.append("             would load" if r["load"] else f"             refused: {r['reason']}")
+        if r["load"]:
+            why = f" ({r['mode_reason']})" if r["mode_reason"] else ""
+            lines.append(f"             would load, mode {r['mode']}{why}")
+        else:
+            lines.append(f"             refused: {r['reason']}")
     n = sum(r["load"] for r in info["layers"])
     lines.append(f"  {n} of {len(info['layers'])} MoE layers would load")
     return "\n".join(lines)

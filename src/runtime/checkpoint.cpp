@@ -290,16 +290,41 @@ OwnedWeights read_experts(Store& s, const ExpertsPlan& p, int64_t e0, int64_t ne
   return o;
 }
 
-// The layer's A4 input scales: one per-tensor scale for all experts, the largest over every expert of the layer
-// (as vLLM's and SGLang's NVFP4 MoE loaders take it). An EP rank reads them all (a few bytes each), so that every
-// rank quantizes the activations alike and the ranks' sum is the layer's output.
-void input_scales(Store& s, const ExpertsPlan& p, float* in1, float* in2) {
+// The layer's A4 input scales and mode. The operator takes one per-tensor input scale per GEMM for all experts:
+// the largest over every expert of the layer, as vLLM's and SGLang's NVFP4 MoE loaders take it. An EP rank reads
+// them all (a few bytes each), so that every rank quantizes the activations alike and the ranks' sum is the
+// layer's output. A4 only when every expert carries its input scales; otherwise A16 (the default on Hopper), and
+// the reason says which tensor is missing.
+struct A4Scales {
+  ActMode mode = ActMode::A16;
+  std::string reason;  // why A16
+  float fc1 = 0.f, fc2 = 0.f;
+};
+
+A4Scales a4_scales(Store& s, const ExpertsPlan& p) {
+  A4Scales r;
+  std::vector<std::string> missing;
   for (const auto& lin : p.experts)
-    for (int j = 0; j < 3; ++j)
-      if (!lin[j].input.empty()) {
-        float& acc = j < 2 ? *in1 : *in2;
-        acc = std::max(acc, read_scalar(s, lin[j].input, lin[j].inverse));
+    for (int j = 0; j < 3; ++j) {
+      if (!lin[j].nvfp4) continue;
+      if (lin[j].input.empty()) {
+        missing.push_back(lin[j].input_name);
+        continue;
       }
+      float& acc = j < 2 ? r.fc1 : r.fc2;
+      acc = std::max(acc, read_scalar(s, lin[j].input, lin[j].inverse));
+    }
+  if (!p.nvfp4) {
+    r.reason = "the experts are not quantized";
+  } else if (!s.quant.a4) {
+    r.reason = s.quant.describe() + " does not quantize activations";
+  } else if (!missing.empty()) {
+    r.reason = "tensor '" + missing[0] + "' is missing (" + std::to_string(missing.size()) + " of the layer's " +
+               std::to_string(3 * p.experts.size()) + " expert linears have no input scale): A4 needs every expert's";
+  } else {
+    r.mode = ActMode::A4;
+  }
+  return r;
 }
 
 std::vector<float> read_f32(Store& s, const std::string& name) {
@@ -349,8 +374,7 @@ CheckpointLayer read_moe_layer(const std::string& dir, int layer, const Checkpoi
   };
   const auto [t0, ts] = tp_rows(R.I);
   out.routed = read_experts(s, R, win.offset, win.count, t0, ts, &out.bytes_read);
-  float in1 = 0.f, in2 = 0.f;
-  input_scales(s, R, &in1, &in2);
+  const A4Scales a4 = a4_scales(s, R);
   if (p.has_shared && opt.shared_expert) {
     const auto [s0, ss] = tp_rows(p.shared.I);
     out.shared = read_experts(s, p.shared, 0, 1, s0, ss, &out.bytes_read);
@@ -358,9 +382,10 @@ CheckpointLayer read_moe_layer(const std::string& dir, int layer, const Checkpoi
   }
   if (!p.router.empty()) out.router.weight = read_f32(s, p.router);
   if (!p.correction_bias.empty()) out.router.e_score_correction_bias = read_f32(s, p.correction_bias);
-  out.fc1_input_scale = in1;
-  out.fc2_input_scale = in2;
-  out.mode = (R.nvfp4 && s.quant.a4 && in1 > 0 && in2 > 0) ? ActMode::A4 : ActMode::A16;
+  out.fc1_input_scale = a4.fc1;
+  out.fc2_input_scale = a4.fc2;
+  out.mode = a4.mode;
+  out.mode_reason = a4.reason;
   out.num_experts = R.E;
   out.local_expert_offset = win.offset;
   out.num_local_experts = win.count;
@@ -402,6 +427,9 @@ CheckpointInfo inspect_checkpoint(const std::string& dir) {
       routing_of(s, p.routed.E, rt);
       r.routing = rt.has_routing_method ? to_string(rt.routing_method) : "";
       r.top_k = rt.top_k;
+      const A4Scales a4 = a4_scales(s, p.routed);
+      r.mode = a4.mode == ActMode::A4 ? "a4" : "a16";
+      r.mode_reason = a4.reason;
       r.loadable = true;
     } catch (const Error& e) {  // inspect reports what read_moe_layer would refuse
       r.loadable = false;
@@ -428,7 +456,10 @@ std::string format_checkpoint_info(const CheckpointInfo& info) {
         << r.bytes << " bytes, shared expert: " << (r.shared.empty() ? "none" : r.shared)
         << ", router: " << (r.router ? "yes" : "no") << (r.correction_bias ? " + e_score_correction_bias" : "");
     if (r.loadable && !r.routing.empty()) o << ", routing " << r.routing << " top_k " << r.top_k;
-    o << "\n    " << (r.loadable ? "would load" : "refused: " + r.reason) << "\n";
+    if (r.loadable)
+      o << "\n    would load, mode " << r.mode << (r.mode_reason.empty() ? "" : " (" + r.mode_reason + ")") << "\n";
+    else
+      o << "\n    refused: " << r.reason << "\n";
     n += r.loadable;
   }
   o << "  " << n << " of " << info.layers.size() << " MoE layers would load\n";

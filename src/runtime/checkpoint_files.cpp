@@ -304,10 +304,9 @@ Linear plan_linear(Store& s, const std::string& module, int64_t n, int64_t k) {
     add(expect(s, l.scale, {"F8_E4M3"}, {n, k / 16}, where));
     l.scale2 = module + ".weight_global_scale";
     add(expect_scalar(s, l.scale2));
-    if (q.a4) {
-      l.input = module + ".input_global_scale";
-      if (!s.has(l.input))
-        fail(s.path_of(l.w) + ": tensor '" + l.input + "' is missing (the config quantizes activations)", ErrorCode::NotFound);
+    l.input_name = module + ".input_global_scale";  // absent: the layer runs A16 (checkpoint.cpp a4_scales)
+    if (q.a4 && s.has(l.input_name)) {
+      l.input = l.input_name;
       add(expect_scalar(s, l.input));
     }
     l.nvfp4 = true;
@@ -324,13 +323,10 @@ Linear plan_linear(Store& s, const std::string& module, int64_t n, int64_t k) {
       add(expect(s, l.scale, {"F8_E4M3"}, {n, k / 16}, where));
       l.scale2 = module + ".weight_scale_2";
       add(expect_scalar(s, l.scale2));
-      if (s.has(module + ".input_scale")) {
-        l.input = module + ".input_scale";
+      l.input_name = module + ".input_scale";  // absent: the layer runs A16 (checkpoint.cpp a4_scales)
+      if (s.has(l.input_name)) {
+        l.input = l.input_name;
         add(expect_scalar(s, l.input));
-      } else if (q.a4 && !q.mixed) {
-        fail(s.path_of(l.w) + ": tensor '" + module + ".input_scale' is missing (quant_algo " + q.algo +
-                 " quantizes activations)",
-             ErrorCode::NotFound);
       }
       if (s.has(module + ".pre_quant_scale"))
         fail(s.path_of(l.w) + ": tensor '" + module + ".pre_quant_scale': AWQ-smoothed NVFP4 experts are not supported",

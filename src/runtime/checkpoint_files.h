@@ -77,6 +77,7 @@ struct Linear {
   std::string module;
   bool nvfp4 = false;
   std::string w, scale, scale2, input;  // tensor names ("" when absent)
+  std::string input_name;               // the input scale's name (NVFP4), present or not
   bool inverse = false;                 // compressed-tensors stores encode scales
   uint64_t bytes = 0;
 };

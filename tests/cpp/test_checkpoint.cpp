@@ -140,6 +140,13 @@ void write_model(const fs::path& dir, Fmt fmt, const Model& m, int shards) {
   }
 }
 
+// The model without tensor `name` (which must be there).
+void drop(Model& m, const std::string& name) {
+  auto it = std::find_if(m.tensors.begin(), m.tensors.end(), [&](const st::WriteTensor& x) { return x.name == name; });
+  ASSERT_NE(it, m.tensors.end()) << name;
+  m.tensors.erase(it);
+}
+
 std::vector<uint16_t> run_cpu(const MoeWeights& w, int64_t E, int64_t H) {
   const int64_t T = 5;
   std::mt19937 rng(9);
@@ -266,6 +273,25 @@ TEST(Checkpoint, ExpertParallelA4TakesTheLayersInputScales) {
   EXPECT_GT(own.size(), 1u) << "the ranks' own maxima must differ for the test to tell the rules apart";
 }
 
+// A W4A4 checkpoint whose expert has no input_scale (calibration never reached it) loads in A16, saying why.
+TEST(Checkpoint, ExpertWithoutInputScaleLoadsA16) {
+  TempDir d;
+  Model m = make_model(Fmt::ModelOpt, 1, 4, 32, 16, 12);
+  const std::string gone = "model.layers.0.mlp.experts.3.down_proj.input_scale";
+  drop(m, gone);
+  write_model(d.path, Fmt::ModelOpt, m, 1);
+  const CheckpointLayer l = load_moe_layer(d.path.string(), 0);
+  EXPECT_EQ(l.mode, ActMode::A16);
+  EXPECT_NE(l.mode_reason.find(gone), std::string::npos) << l.mode_reason;
+  expect_same(l.routed, m.truth[0]);
+  const CheckpointInfo info = inspect_checkpoint(d.path.string());
+  ASSERT_EQ(info.layers.size(), 1u);
+  EXPECT_TRUE(info.layers[0].loadable) << info.layers[0].reason;
+  EXPECT_EQ(info.layers[0].mode, "a16");
+  EXPECT_NE(format_checkpoint_info(info).find("mode a16 (" + l.mode_reason + ")"), std::string::npos)
+      << format_checkpoint_info(info);
+}
+
 TEST(Checkpoint, BadFilesNameFileAndTensor) {
   TempDir d;
   Model m = make_model(Fmt::ModelOpt, 1, 2, 32, 16, 4);
@@ -321,7 +347,7 @@ TEST(Checkpoint, InspectListsLoadsAndRefusals) {
   TempDir d;
   Model m = make_model(Fmt::ModelOpt, 3, 4, 32, 16, 5);
   const std::string gone = "model.layers.1.mlp.experts.3.down_proj.weight_scale_2";
-  m.tensors.erase(std::find_if(m.tensors.begin(), m.tensors.end(), [&](auto& x) { return x.name == gone; }));
+  drop(m, gone);
   write_model(d.path, Fmt::ModelOpt, m, 2);
   const CheckpointInfo info = inspect_checkpoint(d.path.string());
   ASSERT_EQ(info.layers.size(), 3u);

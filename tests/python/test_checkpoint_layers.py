@@ -13,7 +13,7 @@ from fp4moe_under_test import import_fp4moe
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 pytest.importorskip("safetensors", reason="checkpoint reading needs the safetensors package")
-from checkpoint_files import BF16, modelopt_model  # noqa: E402
+from checkpoint_files import BF16, modelopt_model, rewrite  # noqa: E402
 
 fp4moe, ckpt = import_fp4moe("checkpoint")
 Fp4MoeError = fp4moe.Fp4MoeError
@@ -57,3 +57,30 @@ def test_ep_a4_input_scales_are_the_whole_layers(tmp_path):
         y_sum += run_fp32(part, x, logits)
     assert len(own) > 1  # the ranks' own maxima differ, so the test tells the two rules apart
     assert rel_l2(y_sum, y_full) < 1e-6  # the same quantized activations on every rank: the sum is the layer
+
+
+# ---- 2. an expert without an input scale ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("algo", ["NVFP4", "MIXED_PRECISION"])
+def test_expert_without_input_scale_loads_a16_and_says_why(tmp_path, algo):
+    d, truth = modelopt_model(tmp_path / "m", layers=1, algo=algo)
+    gone = "model.layers.0.mlp.experts.2.up_proj.input_scale"  # an expert calibration never reached
+    rewrite(d, lambda t: t.pop(gone))
+    layer = ckpt.load_moe_layer(d, 0)
+    assert layer.mode == "a16" and gone in layer.mode_reason
+    kw = layer.moe_kwargs()
+    assert kw["mode"] == "a16" and "fc1_input_scale" not in kw
+    direct = fp4moe.prepare_weights(**{k: truth[0][k] for k in ("w1", "w1_scale", "w1_scale2", "w2", "w2_scale",
+                                                                "w2_scale2")}, gate_up_order="gate_first",
+                                    activation="swiglu")
+    x = tokens(5, 64)
+    logits = np.random.default_rng(4).standard_normal((5, 4)).astype(np.float32)
+    y = fp4moe.moe(x, layer.weights, routing_logits=logits, num_threads=1, **kw)
+    y_direct = fp4moe.moe(x, direct, routing_logits=logits, num_threads=1, **kw)
+    np.testing.assert_array_equal(y.view(np.uint16), y_direct.view(np.uint16))
+    with pytest.raises(Fp4MoeError, match=gone.replace(".", r"\.")) as ei:
+        layer.moe_kwargs(mode="a4")
+    assert ei.value.argument == "mode"
+    row = ckpt.inspect_checkpoint(d)["layers"][0]
+    assert row["load"] and row["mode"] == "a16" and gone in row["mode_reason"]
+    assert f"mode a16 ({row['mode_reason']})" in ckpt.format_inspect(ckpt.inspect_checkpoint(d))
