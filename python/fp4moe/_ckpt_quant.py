@@ -53,7 +53,8 @@ class _QuantConfig:
         gs = q.get("group_size", 16)
         if gs not in (None, 16):
             raise _fail(f"{src}: expected NVFP4 group_size 16, got {gs}", ErrorCode.Unsupported)
-        excl = [str(x) for x in (q.get("exclude_modules") or [])]
+        # "exclude_modules" in hf_quant_config.json, "ignore" in config.json (ModelOpt's export, as vLLM reads them)
+        excl = [str(x) for x in (q.get("exclude_modules") or []) + (q.get("ignore") or [])]
         if algo == "MIXED_PRECISION":
             ql = q.get("quantized_layers")
             if not isinstance(ql, dict):
@@ -106,7 +107,7 @@ class _QuantConfig:
         if self.method == "none":
             return False
         if self.method == "modelopt":
-            if any(module == p or fnmatch.fnmatchcase(module, p) for p in self.exclude):
+            if any(_modelopt_excludes(p, module) for p in self.exclude):
                 return False
             if self.layers is not None:
                 m = module
@@ -123,6 +124,20 @@ class _QuantConfig:
             if t == "Linear" or (t.startswith("re:") and re.match(t[3:], module)) or module == t:
                 return True
         return False
+
+
+def _modelopt_excludes(pattern: str, module: str) -> bool:
+    """Whether a ModelOpt exclude_modules / ignore entry covers `module` (a linear), as vLLM reads them: an fnmatch
+    pattern naming the module or one that holds it (vLLM matches the MoE block `...mlp.experts`), and a trailing
+    'path*' (ModelOpt's spelling) the module at path and what it holds, so 'model.layers.1*' is not layer 10."""
+    if len(pattern) >= 2 and pattern[-1] == "*" and pattern[-2] != ".":
+        pattern = pattern[:-1]
+    m = module
+    while m:
+        if fnmatch.fnmatchcase(m, pattern):
+            return True
+        m = m.rpartition(".")[0]
+    return False
 
 
 # ---- one linear ------------------------------------------------------------------------------------------

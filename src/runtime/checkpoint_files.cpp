@@ -57,6 +57,19 @@ bool glob_match(const char* p, const char* s) {
   return !*s;
 }
 
+// Whether a ModelOpt exclude_modules / ignore entry covers `module` (a linear), as vLLM reads them: an fnmatch
+// pattern naming the module or one that holds it (vLLM matches the MoE block "...mlp.experts"), and a trailing
+// "path*" (ModelOpt's spelling) the module at path and what it holds, so "model.layers.1*" is not layer 10.
+bool modelopt_excludes(std::string pattern, const std::string& module) {
+  if (pattern.size() >= 2 && pattern.back() == '*' && pattern[pattern.size() - 2] != '.') pattern.pop_back();
+  for (std::string m = module; !m.empty();) {
+    if (glob_match(pattern.c_str(), m.c_str())) return true;
+    const size_t dot = m.rfind('.');
+    m = dot == std::string::npos ? "" : m.substr(0, dot);
+  }
+  return false;
+}
+
 bool re_match(const std::string& pat, const std::string& s) {
   try {
     return std::regex_match(s, std::regex(pat));
@@ -75,8 +88,10 @@ Quant modelopt_quant(const json::Value* q, const std::string& src) {
   const json::Value* gs = q->find("group_size");
   if (gs && !gs->is_null() && !(gs->is_number() && gs->number == 16))
     fail(src + ": expected NVFP4 group_size 16", ErrorCode::Unsupported);
-  if (const json::Value* ex = q->find("exclude_modules"); ex && ex->is_array())
-    for (const auto& v : ex->array) r.exclude.push_back(str_of(&v));
+  // "exclude_modules" in hf_quant_config.json, "ignore" in config.json (ModelOpt's export, as vLLM reads them)
+  for (const char* key : {"exclude_modules", "ignore"})
+    if (const json::Value* ex = q->find(key); ex && ex->is_array())
+      for (const auto& v : ex->array) r.exclude.push_back(str_of(&v));
   if (r.algo == "MIXED_PRECISION") {
     const json::Value* ql = q->find("quantized_layers");
     if (!ql || !ql->is_object()) fail(src + ": MIXED_PRECISION needs a \"quantized_layers\" object");
@@ -142,7 +157,7 @@ bool Quant::quantized(const std::string& module) const {
   if (method == "none") return false;
   if (method == "modelopt") {
     for (const auto& p : exclude)
-      if (module == p || glob_match(p.c_str(), module.c_str())) return false;
+      if (modelopt_excludes(p, module)) return false;
     if (!mixed) return true;
     for (std::string m = module; !m.empty();) {
       auto it = layers.find(m);

@@ -84,3 +84,36 @@ def test_expert_without_input_scale_loads_a16_and_says_why(tmp_path, algo):
     row = ckpt.inspect_checkpoint(d)["layers"][0]
     assert row["load"] and row["mode"] == "a16" and gone in row["mode_reason"]
     assert f"mode a16 ({row['mode_reason']})" in ckpt.format_inspect(ckpt.inspect_checkpoint(d))
+
+
+# ---- 3. a ModelOpt config only in config.json ------------------------------------------------------------------
+
+def modelopt_in_config_json(d, ignore: list):
+    """Moves the ModelOpt config into config.json's quantization_config, in the spelling ModelOpt's HF export and
+    vLLM use there (flat, with "ignore" for exclude_modules)."""
+    hq = json.loads((d / "hf_quant_config.json").read_text())["quantization"]
+    (d / "hf_quant_config.json").unlink()
+    cfg = json.loads((d / "config.json").read_text())
+    fp4 = {"num_bits": 4, "type": "float", "group_size": 16, "dynamic": False}
+    cfg["quantization_config"] = {"quant_method": "modelopt", "quant_algo": hq["quant_algo"], "kv_cache_scheme": None,
+                                  "producer": {"name": "modelopt", "version": "0.39.0"}, "ignore": ignore,
+                                  "config_groups": {"group_0": {"weights": fp4, "input_activations": fp4,
+                                                                "targets": ["Linear"]}}}
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("pattern", ["model.layers.1.mlp.experts*", "model.layers.1.mlp.experts", "model.layers.1*"])
+def test_config_json_ignore_excludes_experts(tmp_path, pattern):
+    """'ignore' in config.json is read; an entry names a module or one that holds it, and ModelOpt's 'path*' is the
+    module at path and what it holds, as vLLM reads it (so 'model.layers.1*' leaves layer 10 quantized)."""
+    layers = 11 if pattern == "model.layers.1*" else 2
+    d, truth = modelopt_model(tmp_path / "m", layers=layers, E=2, H=32, I=16, bf16_layers=(1,))
+    modelopt_in_config_json(d, ["lm_head", "model.layers.*.mlp.gate", "*self_attn*", pattern])
+    got = ckpt.read_moe_layer(d, 1)
+    assert got["format"] == "bf16" and got["quantization"] == "modelopt NVFP4 (W4A4)"
+    np.testing.assert_array_equal(got["routed"]["w1"].view(np.uint16), truth[1]["w1"].view(np.uint16))
+    for L in {0, layers - 1} - {1}:  # layer 10 too when the pattern is 'model.layers.1*'
+        other = ckpt.read_moe_layer(d, L)
+        assert other["format"] == "nvfp4" and other["mode"] == "a4"
+        np.testing.assert_array_equal(other["routed"]["w1"], truth[L]["w1"])
+    assert all(r["load"] for r in ckpt.inspect_checkpoint(d)["layers"])

@@ -1,0 +1,81 @@
+// What a loaded checkpoint layer means (issue 45), beside test_checkpoint.cpp: exclusions read from a ModelOpt
+// config in config.json, routing the config describes (or a refusal naming the key), mixed formats refused naming
+// the tensors, the shared expert under EP, and inspect applying the checks of load. Checkpoints come from
+// checkpoint_model.h; each test compares with the arrays they were written from or with the whole layer.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "checkpoint_model.h"
+#include "fp4moe/checkpoint.h"
+#include "test_helpers.h"
+
+using namespace fp4moe;
+using fp4moe::testutil::TempDir;
+using namespace fp4moe::testutil::checkpoint;  // NOLINT: the checkpoints the tests write
+
+namespace {
+
+// Layer `layer`'s experts of a ModelOpt model as bf16 (as a quantizer's exclusion leaves them): each weight
+// becomes BF16 [n, k] and its scales go. Returns the bf16 gate weight of expert 0 (its bits).
+std::vector<uint8_t> experts_to_bf16(Model& m, int layer) {
+  const std::string base = "model.layers." + std::to_string(layer) + ".mlp.experts.";
+  std::vector<st::WriteTensor> out;
+  std::vector<uint8_t> gate0;
+  for (auto& t : m.tensors) {
+    if (t.name.rfind(base, 0) != 0) {
+      out.push_back(t);
+      continue;
+    }
+    if (t.name.size() < 7 || t.name.compare(t.name.size() - 7, 7, ".weight") != 0) continue;  // a scale
+    st::WriteTensor w{t.name, "BF16", {t.shape[0], 2 * t.shape[1]}, {}};
+    w.bytes.resize(static_cast<size_t>(w.shape[0] * w.shape[1] * 2));
+    for (size_t i = 0; i < w.bytes.size(); i += 2) {  // small bf16 values from the packed codes
+      w.bytes[i] = t.bytes[i / 4];
+      w.bytes[i + 1] = 0x3c;
+    }
+    if (t.name == base + "0.gate_proj.weight") gate0 = w.bytes;
+    out.push_back(std::move(w));
+  }
+  m.tensors = std::move(out);
+  return gate0;
+}
+
+// The ModelOpt config in config.json only, in the spelling of ModelOpt's HF export (flat, "ignore").
+void modelopt_in_config_json(const fs::path& dir, int64_t E, const std::string& ignore) {
+  fs::remove(dir / "hf_quant_config.json");
+  write_text(dir / "config.json",
+             "{\"model_type\":\"qwen3_moe\",\"hidden_act\":\"silu\",\"num_experts\":" + std::to_string(E) +
+                 ",\"num_experts_per_tok\":2,\"norm_topk_prob\":true,\"quantization_config\":{\"quant_method\":"
+                 "\"modelopt\",\"quant_algo\":\"NVFP4\",\"producer\":{\"name\":\"modelopt\"},\"ignore\":" + ignore + "}}");
+}
+
+}  // namespace
+
+// 3. A ModelOpt config only in config.json: its "ignore" list excludes modules, an entry names a module or one
+// that holds it, and "path*" is that module and what it holds (as vLLM reads ModelOpt's patterns).
+TEST(CheckpointLayers, ConfigJsonIgnoreExcludesExperts) {
+  for (const std::string pattern : {"model.layers.1.mlp.experts*", "model.layers.1.mlp.experts", "model.layers.1*"}) {
+    SCOPED_TRACE(pattern);
+    TempDir d;
+    const int layers = pattern == "model.layers.1*" ? 11 : 2;
+    Model m = make_model(Fmt::ModelOpt, layers, 2, 32, 16, 21);
+    const std::vector<uint8_t> gate0 = experts_to_bf16(m, 1);
+    write_model(d.path, Fmt::ModelOpt, m, 1);
+    modelopt_in_config_json(d.path, 2, "[\"lm_head\",\"model.layers.*.mlp.gate\",\"" + pattern + "\"]");
+    const CheckpointLayer l1 = read_moe_layer(d.path.string(), 1);
+    EXPECT_EQ(l1.format, WeightFormat::BF16);
+    EXPECT_EQ(l1.quantization, "modelopt NVFP4 (W4A4)");
+    ASSERT_GE(l1.routed.w1_bf16.size() * 2, gate0.size());
+    EXPECT_EQ(std::memcmp(l1.routed.w1_bf16.data(), gate0.data(), gate0.size()), 0);  // expert 0's gate rows
+    for (const int L : {0, layers - 1}) {  // layer 10 too when the pattern is "model.layers.1*"
+      if (L == 1) continue;
+      const CheckpointLayer other = read_moe_layer(d.path.string(), L);
+      EXPECT_EQ(other.format, WeightFormat::NVFP4);
+      expect_same(other.routed, m.truth[static_cast<size_t>(L)]);
+    }
+    for (const auto& r : inspect_checkpoint(d.path.string()).layers) EXPECT_TRUE(r.loadable) << r.layer << ": " << r.reason;
+  }
+}
