@@ -23,8 +23,8 @@ struct CheckpointOptions {
   bool shared_expert = true;       // read the shared expert when the layer has one
 };
 
-// The router and the routing that reproduces it (SPEC §3.1). has_routing_method is false when the config
-// does not name a known model type (the caller then chooses).
+// The router and the routing that reproduces it (SPEC §3.1). A config whose routing no method reproduces, or that
+// the operator would refuse, is refused at load naming its key, so has_routing_method is true for every layer read.
 struct CheckpointRouter {
   std::vector<float> weight;                   // [E, H], empty when the checkpoint has none
   std::vector<float> e_score_correction_bias;  // [E] (DeepSeek-V3 selection bias), or empty

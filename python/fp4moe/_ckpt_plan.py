@@ -6,6 +6,8 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
+
 from ._ckpt_files import _FLOAT_DTYPES, Checkpoint, ErrorCode, _fail, _TensorRef, error
 from ._ckpt_quant import _linear
 from ._enums import ActivationType, RoutingMethod, parse_enum
@@ -214,27 +216,82 @@ def _plan_layer(ck: Checkpoint, layer: int, gated: bool, fused_layout: Optional[
 
 # ---- configuration: routing and activation ----------------------------------------------------------------
 
+# Model types with transformers' DeepSeek-V3 router (sigmoid scores, e_score_correction_bias, expert groups) and the
+# defaults of their transformers config classes for the keys a config may leave out.
+_DEEPSEEK_STYLE = {
+    "deepseek_v3": {"n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5},
+    "deepseek_v32": {"n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5},
+    "kimi_k2": {"n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5},
+    "kimi_k25": {"n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5},
+    "glm4_moe": {"n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0},
+}
+_SOFTMAX_TOPK = ("qwen3_moe", "qwen2_moe", "qwen3_next")  # softmax, top-k, / sum when norm_topk_prob (default off)
+_RENORMALIZE = ("mixtral", "gpt_oss")                      # top-k of the logits, softmax over the k
+
+
 def _routing_of(ck: Checkpoint, layer: int, E: int) -> dict:
+    """The routing (SPEC §3.1) that reproduces the model's router, from config.json (keys it leaves out take the
+    model's transformers defaults). What the operator could not run is refused here, naming the config key, so
+    that fp4moe.moe(**layer.moe_kwargs()) does not fail after a load."""
     c = _text_config(ck)
     mt = _model_type(ck)
-    k = int(c.get("num_experts_per_tok", c.get("experts_per_token", 0)) or 0)
-    out = {"routing_method": None, "top_k": k, "num_experts": E, "n_group": 1, "topk_group": 1,
+    src = ck.path / "config.json"
+
+    def refuse(key, why, code=ErrorCode.InvalidArgument):
+        return _fail(f"{src}: {key} {why}", code)
+
+    kkey = "num_experts_per_tok" if "num_experts_per_tok" in c or "experts_per_token" not in c else "experts_per_token"
+    out = {"routing_method": None, "top_k": c.get(kkey), "num_experts": E, "n_group": 1, "topk_group": 1,
            "routed_scaling_factor": 1.0}
-    if mt in ("qwen3_moe", "qwen2_moe", "qwen3_next"):
-        out["routing_method"] = RoutingMethod.RenormalizeNaive if c.get("norm_topk_prob", True) else \
+    if mt in _SOFTMAX_TOPK:
+        out["routing_method"] = RoutingMethod.RenormalizeNaive if c.get("norm_topk_prob", False) else \
             RoutingMethod.Default
-        out["num_experts"] = int(c.get("num_experts", E))
-    elif mt in ("mixtral", "gpt_oss"):
+        ekey = "num_experts"
+    elif mt in _RENORMALIZE:
         out["routing_method"] = RoutingMethod.Renormalize
-        out["num_experts"] = int(c.get("num_local_experts", E))
-    elif mt in ("deepseek_v3", "kimi_k2", "kimi_k25", "deepseek_v32"):
+        ekey = "num_local_experts"
+    elif mt in _DEEPSEEK_STYLE:
         if str(c.get("scoring_func", "sigmoid")) != "sigmoid":
-            raise _fail(f"{ck.path / 'config.json'}: scoring_func {c.get('scoring_func')!r}: fp4moe's DeepSeekV3 "
-                        f"routing scores with sigmoid", ErrorCode.Unsupported)
-        out.update(routing_method=RoutingMethod.DeepSeekV3, num_experts=int(c.get("n_routed_experts", E)),
-                   n_group=int(c.get("n_group", 1) or 1), topk_group=int(c.get("topk_group", 1) or 1),
-                   routed_scaling_factor=float(c.get("routed_scaling_factor", 1.0) or 1.0))
+            raise refuse("scoring_func", f"{c.get('scoring_func')!r}: fp4moe's DeepSeekV3 routing scores with sigmoid",
+                         ErrorCode.Unsupported)
+        if not c.get("norm_topk_prob", True):
+            raise refuse("norm_topk_prob", "false: the router then leaves the chosen weights unnormalized, which no "
+                         "routing method of fp4moe computes (DeepSeekV3 divides them by their sum, SPEC §3.1)",
+                         ErrorCode.Unsupported)
+        dflt = _DEEPSEEK_STYLE[mt]
+        out.update(routing_method=RoutingMethod.DeepSeekV3, **{k: c.get(k, v) for k, v in dflt.items()})
+        ekey = "n_routed_experts"
+    else:
+        raise refuse("model_type", f"{mt!r}: fp4moe does not know this model's router (it reads "
+                     f"{', '.join(sorted(_SOFTMAX_TOPK + _RENORMALIZE + tuple(_DEEPSEEK_STYLE)))})",
+                     ErrorCode.Unsupported)
+    out["num_experts"] = _int_key(c, ekey, E, refuse)
+    if out["num_experts"] != E:
+        raise refuse(ekey, f"{out['num_experts']}, but layer {layer} of the files has {E} experts")
+    k = out["top_k"] = _int_key(c, kkey, None, refuse)
+    if not 1 <= k <= E:
+        raise refuse(kkey, f"{k}: expected 1 <= top_k <= {E} (the layer's experts)")
+    if out["routing_method"] == RoutingMethod.DeepSeekV3:
+        g = out["n_group"] = _int_key(c, "n_group", out["n_group"], refuse)
+        tg = out["topk_group"] = _int_key(c, "topk_group", out["topk_group"], refuse)
+        if g < 1 or E % g or (g > 1 and E // g < 2):
+            raise refuse("n_group", f"{g}: expected a divisor of the {E} experts leaving at least two per group")
+        if not 1 <= tg <= g:
+            raise refuse("topk_group", f"{tg}: expected 1 <= topk_group <= n_group={g}")
+        if k > tg * (E // g):
+            raise refuse(kkey, f"{k}: more than the {tg * (E // g)} experts of topk_group={tg} groups")
+        rsf = c.get("routed_scaling_factor", out["routed_scaling_factor"])
+        if isinstance(rsf, bool) or not isinstance(rsf, (int, float)) or not np.isfinite(rsf):
+            raise refuse("routed_scaling_factor", f"{rsf!r}: expected a finite number")
+        out["routed_scaling_factor"] = float(rsf)
     return out
+
+
+def _int_key(c: dict, key: str, default, refuse) -> int:
+    v = c.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or int(v) != v:
+        raise refuse(key, f"{v!r}: expected an integer" if v is not None else "is missing")
+    return int(v)
 
 
 def _activation_of(ck: Checkpoint, activation) -> tuple[ActivationType, Optional[float], Optional[float],

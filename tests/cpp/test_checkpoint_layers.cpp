@@ -79,3 +79,39 @@ TEST(CheckpointLayers, ConfigJsonIgnoreExcludesExperts) {
     for (const auto& r : inspect_checkpoint(d.path.string()).layers) EXPECT_TRUE(r.loadable) << r.layer << ": " << r.reason;
   }
 }
+
+// 4. Routing as the config describes it: glm4_moe is DeepSeek-V3's router with its own scaling factor; what no
+// routing method computes (norm_topk_prob false) or the operator would refuse is refused at load, naming the key.
+TEST(CheckpointLayers, RoutingFromTheConfig) {
+  TempDir d;
+  const Model m = make_model(Fmt::ModelOpt, 1, 4, 32, 16, 22);
+  write_model(d.path, Fmt::ModelOpt, m, 1);
+  const std::string dir = d.path.string();
+  auto config = [&](const std::string& fields) {
+    write_text(d.path / "config.json", "{\"hidden_act\":\"silu\",\"n_routed_experts\":4,\"num_experts\":4," + fields + "}");
+  };
+  config(R"("model_type":"glm4_moe","num_experts_per_tok":2,"n_group":1,"topk_group":1,"norm_topk_prob":true,)"
+         R"("routed_scaling_factor":2.5)");
+  const CheckpointLayer l = load_moe_layer(dir, 0);
+  EXPECT_TRUE(l.router.has_routing_method);
+  EXPECT_EQ(l.router.routing_method, RoutingMethod::DeepSeekV3);
+  EXPECT_EQ(l.router.routed_scaling_factor, 2.5f);
+  EXPECT_EQ(l.router.n_group, 1);
+  EXPECT_EQ(l.router.top_k, 2);
+  config(R"("model_type":"deepseek_v3","num_experts_per_tok":2,"n_group":2,"topk_group":1,"norm_topk_prob":false)");
+  expect_error([&] { read_moe_layer(dir, 0); }, {"config.json: norm_topk_prob false"}, ErrorCode::Unsupported);
+  EXPECT_NE(inspect_checkpoint(dir).layers[0].reason.find("norm_topk_prob"), std::string::npos);
+  config(R"("model_type":"deepseek_v3","num_experts_per_tok":2,"n_group":3,"topk_group":1)");
+  expect_error([&] { read_moe_layer(dir, 0); }, {"config.json: n_group 3"}, ErrorCode::InvalidArgument);
+  config(R"("model_type":"deepseek_v3","num_experts_per_tok":2,"n_group":2,"topk_group":3)");
+  expect_error([&] { read_moe_layer(dir, 0); }, {"config.json: topk_group 3"}, ErrorCode::InvalidArgument);
+  config(R"("model_type":"qwen3_moe","num_experts_per_tok":5)");
+  expect_error([&] { read_moe_layer(dir, 0); }, {"config.json: num_experts_per_tok 5"}, ErrorCode::InvalidArgument);
+  config(R"("model_type":"qwen3_moe")");
+  expect_error([&] { read_moe_layer(dir, 0); }, {"config.json: num_experts_per_tok is missing"},
+               ErrorCode::InvalidArgument);
+  config(R"("model_type":"olmoe","num_experts_per_tok":2)");
+  expect_error([&] { read_moe_layer(dir, 0); }, {"config.json: model_type 'olmoe'"}, ErrorCode::Unsupported);
+  config(R"("model_type":"qwen3_moe","num_experts_per_tok":2)");  // transformers' default: norm_topk_prob false
+  EXPECT_EQ(read_moe_layer(dir, 0).router.routing_method, RoutingMethod::Default);
+}

@@ -117,3 +117,81 @@ def test_config_json_ignore_excludes_experts(tmp_path, pattern):
         assert other["format"] == "nvfp4" and other["mode"] == "a4"
         np.testing.assert_array_equal(other["routed"]["w1"], truth[L]["w1"])
     assert all(r["load"] for r in ckpt.inspect_checkpoint(d)["layers"])
+
+
+# ---- 4. routing the config describes ---------------------------------------------------------------------------
+
+def set_config(d, **changes):
+    cfg = json.loads((d / "config.json").read_text())
+    for k, v in changes.items():
+        if v is None:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+def deepseek_style_router(logits, bias, k, rsf, norm=True):
+    """transformers' DeepSeek-V3 / GLM-4-MoE router with one expert group, in fp32: sigmoid scores, top-k of
+    score + e_score_correction_bias (ties to the lower id), weights = the chosen scores (/ their sum when
+    norm_topk_prob) * routed_scaling_factor."""
+    s = (1.0 / (1.0 + np.exp(-logits.astype(np.float64)))).astype(np.float32)
+    ids = np.argsort(-(s + bias.astype(np.float32)), axis=1, kind="stable")[:, :k].astype(np.int32)
+    w = np.take_along_axis(s, ids, axis=1)
+    if norm:
+        w = w / (w.sum(axis=1, keepdims=True) + np.float32(1e-20))
+    return ids, (w * np.float32(rsf)).astype(np.float32)
+
+
+def test_glm4_moe_routes_as_deepseek_with_its_scaling_factor(tmp_path):
+    d, truth = modelopt_model(tmp_path / "m", layers=1, arch="deepseek")
+    set_config(d, model_type="glm4_moe", architectures=["Glm4MoeForCausalLM"], n_group=1, topk_group=1,
+               routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=0)
+    layer = ckpt.load_moe_layer(d, 0)
+    r = layer.router
+    assert (r.routing_method, r.n_group, r.topk_group, r.routed_scaling_factor, r.top_k) == \
+        (fp4moe.RoutingMethod.DeepSeekV3, 1, 1, 2.5, 2)
+    x = tokens(9, 64)
+    logits = x.astype(np.float32) @ r.weight.astype(np.float32).T
+    y = run_fp32(layer, x, logits, mode="a16")  # moe(**layer.moe_kwargs()) runs
+    ids, w = deepseek_style_router(logits, r.e_score_correction_bias, 2, 2.5)
+    kw = layer.moe_kwargs(mode="a16")
+    del kw["routing_bias"]
+    ref = np.empty_like(y)
+    fp4moe.moe(x, layer.weights, topk_ids=ids, topk_weights=w, out=ref, num_threads=1, **kw)
+    assert rel_l2(y, ref) < 1e-5
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "glm4_moe"])
+def test_unnormalized_deepseek_style_routing_is_refused_naming_the_key(tmp_path, model_type):
+    d, _ = modelopt_model(tmp_path / "m", layers=1, arch="deepseek")
+    set_config(d, model_type=model_type, norm_topk_prob=False)
+    with pytest.raises(Fp4MoeError, match=r"config\.json: norm_topk_prob false") as ei:
+        ckpt.load_moe_layer(d, 0)
+    assert ei.value.code == fp4moe.ErrorCode.Unsupported
+    row = ckpt.inspect_checkpoint(d)["layers"][0]
+    assert not row["load"] and "norm_topk_prob" in row["reason"]
+
+
+@pytest.mark.parametrize("change, key", [({"model_type": "olmoe"}, "model_type"),
+                                         ({"num_experts_per_tok": None}, "num_experts_per_tok"),
+                                         ({"num_experts_per_tok": 5}, "num_experts_per_tok"),
+                                         ({"n_group": 3}, "n_group"),
+                                         ({"topk_group": 3}, "topk_group")])
+def test_routing_the_operator_would_refuse_is_refused_at_load(tmp_path, change, key):
+    """moe(**layer.moe_kwargs()) never fails after a load: what it would refuse is refused at load, naming the key."""
+    d, _ = modelopt_model(tmp_path / "m", layers=1, arch="deepseek")  # E=4, n_group=2, topk_group=1, top_k=2
+    set_config(d, **change)
+    with pytest.raises(Fp4MoeError, match=rf"config\.json: {key}\b"):
+        ckpt.load_moe_layer(d, 0)
+
+
+def test_routing_defaults_are_transformers(tmp_path):
+    """Keys a config leaves out take the model's transformers defaults: Qwen3-MoE does not renormalize
+    (norm_topk_prob False) and DeepSeek-V3 scales by 2.5 in 8 groups (here 4 experts: the group keys are given)."""
+    d, _ = modelopt_model(tmp_path / "q", layers=1)
+    set_config(d, norm_topk_prob=None)
+    assert ckpt.load_moe_layer(d, 0).router.routing_method == fp4moe.RoutingMethod.Default
+    d, _ = modelopt_model(tmp_path / "d", layers=1, arch="deepseek")
+    set_config(d, routed_scaling_factor=None)
+    assert ckpt.load_moe_layer(d, 0).router.routed_scaling_factor == 2.5
