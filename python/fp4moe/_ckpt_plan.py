@@ -64,6 +64,10 @@ def _model_type(ck: Checkpoint) -> str:
 
 
 def _text_config(ck: Checkpoint) -> dict:
+    """config.json (its text_config for multimodal models), which load needs for the routing and activation."""
+    if ck.config is None:
+        raise _fail(f"{ck.path / 'config.json'}: the file is missing (it gives the model type, the routing and the "
+                    f"activation)", ErrorCode.NotFound)
     c = ck.config if isinstance(ck.config, dict) else {}
     tc = c.get("text_config")
     return tc if isinstance(tc, dict) else c

@@ -197,10 +197,10 @@ def inspect_checkpoint(checkpoint, *, activation=None, fused_layout=None) -> dic
            "bytes": sum(os.path.getsize(ck.path / f) for f in files if (ck.path / f).exists()),
            "model_type": _model_type(ck) or None, "quantization": ck.quant.describe(), "layers": []}
     try:
-        act = _activation_of(ck, activation)
+        act, act_error = _activation_of(ck, activation), None
         out["activation"] = act[0].name
-    except Exception as e:
-        act = None
+    except Exception as e:  # each layer is refused for it below
+        act, act_error = None, e
         out["activation"] = f"unknown ({e})"
     for L in moe_layers(ck):
         row = {"layer": L}
@@ -210,8 +210,8 @@ def inspect_checkpoint(checkpoint, *, activation=None, fused_layout=None) -> dic
             row.update(architecture=p.architecture, format=R.fmt, experts=R.E, H=R.H, I=R.I, bytes=p.nbytes,
                        shared=None if p.shared is None else f"{p.shared.fmt} I={p.shared.I}",
                        router=p.router_weight is not None, correction_bias=p.correction_bias is not None)
-            if act is None:
-                raise _fail("no activation: pass activation=")
+            if act_error is not None:
+                raise act_error
             routing = _routing_of(ck, L, R.E)
             row["routing"] = routing["routing_method"].name
             row["top_k"] = routing["top_k"]

@@ -180,6 +180,14 @@ LayerPlan plan_layer(Store& s, int layer) {
 }
 
 // ---- configuration -----------------------------------------------------------------------------------------
+// config.json, which a load needs (model type, routing, activation).
+const json::Value* config_of(Store& s) {
+  if (!s.config)
+    fail((s.root / "config.json").string() + ": the file is missing (it gives the model type, the routing and the activation)",
+         ErrorCode::NotFound);
+  return s.text_config();
+}
+
 // A config value as a message shows it.
 std::string shown(const json::Value& v) {
   std::ostringstream o;
@@ -206,7 +214,7 @@ constexpr const char* kRenormalize[] = {"mixtral", "gpt_oss"};
 // model's transformers defaults). What the operator could not run is refused here, naming the config key, so that
 // a loaded layer's routing always runs.
 void routing_of(Store& s, int64_t E, CheckpointRouter& r) {
-  const json::Value* c = s.text_config();
+  const json::Value* c = config_of(s);
   const std::string mt = s.model_type(), src = (s.root / "config.json").string();
   auto refuse = [&](const std::string& key, const std::string& why, ErrorCode code = ErrorCode::InvalidArgument) {
     fail(src + ": " + key + " " + why, code);
@@ -276,7 +284,7 @@ void routing_of(Store& s, int64_t E, CheckpointRouter& r) {
 }
 
 ActivationType activation_of(Store& s) {
-  const json::Value* c = s.text_config();
+  const json::Value* c = config_of(s);
   const std::string act = str_of(member(c, "hidden_act"), str_of(member(c, "hidden_activation")));
   if (act == "silu" || act == "swish") return ActivationType::Swiglu;
   if (act == "gelu") return ActivationType::Geglu;

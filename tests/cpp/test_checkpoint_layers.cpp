@@ -115,3 +115,16 @@ TEST(CheckpointLayers, RoutingFromTheConfig) {
   config(R"("model_type":"qwen3_moe","num_experts_per_tok":2)");  // transformers' default: norm_topk_prob false
   EXPECT_EQ(read_moe_layer(dir, 0).router.routing_method, RoutingMethod::Default);
 }
+
+// 5. A checkpoint without config.json: NotFound naming the file (not an error about the activation).
+TEST(CheckpointLayers, MissingConfigJsonIsNotFound) {
+  TempDir d;
+  const Model m = make_model(Fmt::ModelOpt, 1, 2, 32, 16, 23);
+  write_model(d.path, Fmt::ModelOpt, m, 1);
+  fs::remove(d.path / "config.json");
+  expect_error([&] { read_moe_layer(d.path.string(), 0); }, {(d.path / "config.json").string() + ": the file is missing"},
+               ErrorCode::NotFound);
+  const CheckpointInfo info = inspect_checkpoint(d.path.string());
+  ASSERT_EQ(info.layers.size(), 1u);
+  EXPECT_NE(info.layers[0].reason.find("config.json: the file is missing"), std::string::npos) << info.layers[0].reason;
+}

@@ -195,3 +195,16 @@ def test_routing_defaults_are_transformers(tmp_path):
     d, _ = modelopt_model(tmp_path / "d", layers=1, arch="deepseek")
     set_config(d, routed_scaling_factor=None)
     assert ckpt.load_moe_layer(d, 0).router.routed_scaling_factor == 2.5
+
+
+# ---- 5. smaller ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("activation", [None, "swiglu"])
+def test_missing_config_json_is_not_found_naming_it(tmp_path, activation):
+    d, _ = modelopt_model(tmp_path / "m", layers=1)
+    (d / "config.json").unlink()
+    with pytest.raises(Fp4MoeError, match=r"config\.json: the file is missing") as ei:
+        ckpt.load_moe_layer(d, 0, activation=activation)
+    assert ei.value.code == fp4moe.ErrorCode.NotFound and ei.value.argument == "checkpoint"
+    row = ckpt.inspect_checkpoint(d, activation=activation)["layers"][0]
+    assert not row["load"] and "config.json: the file is missing" in row["reason"]
