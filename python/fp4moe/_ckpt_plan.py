@@ -118,19 +118,31 @@ def _plan_experts(ck: Checkpoint, base: str, ids: list, gated: bool, what: str) 
     H, I = sh[0], sh[1] * (2 if dt == "U8" else 1)
     if H % 16 or I % 16:
         raise _fail(f"{ck.file_of(dn)}: tensor '{dn}': H={H} and I={I} must be multiples of 16")
-    experts = []
-    fmts = set()
+    experts, first = [], None
     for e in (ids if ids else [None]):
         m = base if e is None else f"{base}{e}."
         gate = _linear(ck, m + g, I, H)
         up = _linear(ck, m + u, I, H) if gated else None
         down = _linear(ck, m + d, H, I)
         experts.append((gate, up, down))
-        fmts |= {l.fmt for l in (gate, up, down) if l is not None}
-    if len(fmts) > 1:
-        raise _fail(f"{ck.path}: {what}: some experts are NVFP4 and some unquantized; one layer's experts must "
-                    f"share one format")
-    return _ExpertsPlan(fmts.pop(), gated, len(experts), H, I, experts)
+        for lin in (gate, up, down):
+            if lin is None:
+                continue
+            if first is None:
+                first = (lin, e)
+            elif lin.fmt != first[0].fmt:
+                raise _fail(f"{ck.file_of(lin.weight.name)}: tensor '{lin.weight.name}' ({_who(e)}) is "
+                            f"{_fmt_name(lin)} but '{first[0].weight.name}' ({_who(first[1])}) is "
+                            f"{_fmt_name(first[0])}: the linears of {what} must share one format")
+    return _ExpertsPlan(first[0].fmt, gated, len(experts), H, I, experts)
+
+
+def _who(expert) -> str:
+    return "the shared expert" if expert is None else f"expert {expert}"
+
+
+def _fmt_name(lin) -> str:
+    return "NVFP4" if lin.fmt == "nvfp4" else lin.weight.dtype
 
 
 def _plan_fused(ck: Checkpoint, base: str, layout: str, gated: bool) -> _ExpertsPlan:

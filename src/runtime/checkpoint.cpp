@@ -88,21 +88,27 @@ ExpertsPlan plan_experts(Store& s, const std::string& base, const std::vector<in
   if (p.H % 16 || p.I % 16)
     fail(s.path_of(dn) + ": tensor '" + dn + "': H=" + std::to_string(p.H) + " and I=" + std::to_string(p.I) +
          " must be multiples of 16");
-  std::set<bool> fmts;
   const std::vector<int> list = ids.empty() ? std::vector<int>{-1} : ids;
+  auto who = [](int e) { return e < 0 ? std::string("the shared expert") : "expert " + std::to_string(e); };
+  auto fmt_name = [&](const Linear& l) { return l.nvfp4 ? std::string("NVFP4") : s.info(l.w).dtype_name; };
+  std::optional<Linear> first;  // a copy: p.experts grows
+  int first_e = 0;
   for (int e : list) {
     const std::string m = e < 0 ? base : base + std::to_string(e) + ".";
     std::array<Linear, 3> lin = {plan_linear(s, m + kNames[fam][0], p.I, p.H), plan_linear(s, m + kNames[fam][1], p.I, p.H),
                                  plan_linear(s, m + kNames[fam][2], p.H, p.I)};
-    for (const auto& l : lin) {
-      fmts.insert(l.nvfp4);
-      p.bytes += l.bytes;
-    }
+    for (const auto& l : lin) p.bytes += l.bytes;
     p.experts.push_back(std::move(lin));
+    for (const auto& l : p.experts.back()) {
+      if (!first) {
+        first = l, first_e = e;
+      } else if (l.nvfp4 != first->nvfp4) {
+        fail(s.path_of(l.w) + ": tensor '" + l.w + "' (" + who(e) + ") is " + fmt_name(l) + " but '" + first->w + "' (" +
+             who(first_e) + ") is " + fmt_name(*first) + ": the linears of " + what + " must share one format");
+      }
+    }
   }
-  if (fmts.size() > 1)
-    fail(s.root.string() + ": " + what + ": some experts are NVFP4 and some unquantized; one layer's experts must share one format");
-  p.nvfp4 = *fmts.begin();
+  p.nvfp4 = first->nvfp4;
   p.E = static_cast<int64_t>(p.experts.size());
   return p;
 }

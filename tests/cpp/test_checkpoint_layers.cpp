@@ -18,10 +18,11 @@ using namespace fp4moe::testutil::checkpoint;  // NOLINT: the checkpoints the te
 
 namespace {
 
-// Layer `layer`'s experts of a ModelOpt model as bf16 (as a quantizer's exclusion leaves them): each weight
-// becomes BF16 [n, k] and its scales go. Returns the bf16 gate weight of expert 0 (its bits).
-std::vector<uint8_t> experts_to_bf16(Model& m, int layer) {
-  const std::string base = "model.layers." + std::to_string(layer) + ".mlp.experts.";
+// Layer `layer`'s experts (or only expert `expert`) of a ModelOpt model as bf16, as a quantizer's exclusion leaves
+// them: each weight becomes BF16 [n, k] and its scales go. Returns the bf16 gate weight of expert 0 (its bits).
+std::vector<uint8_t> experts_to_bf16(Model& m, int layer, int expert = -1) {
+  const std::string base = "model.layers." + std::to_string(layer) + ".mlp.experts." +
+                           (expert < 0 ? std::string() : std::to_string(expert) + ".");
   std::vector<st::WriteTensor> out;
   std::vector<uint8_t> gate0;
   for (auto& t : m.tensors) {
@@ -127,4 +128,21 @@ TEST(CheckpointLayers, MissingConfigJsonIsNotFound) {
   const CheckpointInfo info = inspect_checkpoint(d.path.string());
   ASSERT_EQ(info.layers.size(), 1u);
   EXPECT_NE(info.layers[0].reason.find("config.json: the file is missing"), std::string::npos) << info.layers[0].reason;
+}
+
+// 5. Experts of one layer in two formats (an exclusion naming one expert): refused naming the expert and tensor.
+TEST(CheckpointLayers, MixedExpertFormatsNameExpertAndTensor) {
+  TempDir d;
+  Model m = make_model(Fmt::ModelOpt, 1, 4, 32, 16, 24);
+  experts_to_bf16(m, 0, 3);
+  write_model(d.path, Fmt::ModelOpt, m, 1);
+  write_text(d.path / "hf_quant_config.json",
+             R"({"quantization":{"quant_algo":"NVFP4","exclude_modules":["lm_head","model.layers.*.mlp.gate",)"
+             R"("model.layers.0.mlp.experts.3*"]}})");
+  const std::string odd = "model.layers.0.mlp.experts.3.gate_proj.weight";
+  expect_error([&] { read_moe_layer(d.path.string(), 0); },
+               {(d.path / "model.safetensors").string() + ": tensor '" + odd + "' (expert 3) is BF16 but",
+                "experts.0.gate_proj.weight' (expert 0) is NVFP4"},
+               ErrorCode::InvalidArgument);
+  EXPECT_NE(inspect_checkpoint(d.path.string()).layers[0].reason.find("'" + odd + "' (expert 3)"), std::string::npos);
 }

@@ -208,3 +208,26 @@ def test_missing_config_json_is_not_found_naming_it(tmp_path, activation):
     assert ei.value.code == fp4moe.ErrorCode.NotFound and ei.value.argument == "checkpoint"
     row = ckpt.inspect_checkpoint(d, activation=activation)["layers"][0]
     assert not row["load"] and "config.json: the file is missing" in row["reason"]
+
+
+def test_mixed_nvfp4_and_bf16_experts_are_refused_naming_expert_and_tensor(tmp_path):
+    d, _ = modelopt_model(tmp_path / "m", layers=1)
+    rng = np.random.default_rng(8)
+    odd = "model.layers.0.mlp.experts.3."
+
+    def to_bf16(t):  # expert 3 left unquantized (excluded by the config below), the others NVFP4
+        for proj, (n, k) in (("gate_proj", (32, 64)), ("up_proj", (32, 64)), ("down_proj", (64, 32))):
+            for suffix in ("weight_scale", "weight_scale_2", "input_scale"):
+                t.pop(odd + proj + "." + suffix)
+            t[odd + proj + ".weight"] = (rng.standard_normal((n, k)) * 0.1).astype(np.float32).astype(BF16)
+
+    rewrite(d, to_bf16)
+    hq = json.loads((d / "hf_quant_config.json").read_text())
+    hq["quantization"]["exclude_modules"].append("model.layers.0.mlp.experts.3*")
+    (d / "hf_quant_config.json").write_text(json.dumps(hq))
+    with pytest.raises(Fp4MoeError, match=rf"model\.safetensors: tensor '{odd}gate_proj\.weight' \(expert 3\) is BF16 "
+                                          r"but .*experts\.0\.gate_proj\.weight' \(expert 0\) is NVFP4") as ei:
+        ckpt.load_moe_layer(d, 0)
+    assert ei.value.code == fp4moe.ErrorCode.InvalidArgument
+    row = ckpt.inspect_checkpoint(d)["layers"][0]
+    assert not row["load"] and f"'{odd}gate_proj.weight' (expert 3)" in row["reason"]
