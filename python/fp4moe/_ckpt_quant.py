@@ -154,13 +154,16 @@ class _Linear:
     input_scale: Optional[_TensorRef] = None
     input_inverse: bool = False
     input_name: str = ""           # the input scale's tensor name (NVFP4), present or not
+    _scale2: Optional[np.float32] = field(default=None, repr=False)  # read once (checked, then used)
 
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (self.weight, self.scale, self.scale2, self.input_scale) if t is not None)
 
     def read_scale2(self) -> np.float32:
-        return _scalar_of(self.scale2, self.scale2_inverse)
+        if self._scale2 is None:
+            self._scale2 = _scalar_of(self.scale2, self.scale2_inverse)
+        return self._scale2
 
     def read_input_scale(self) -> Optional[np.float32]:
         return None if self.input_scale is None else _scalar_of(self.input_scale, self.input_inverse)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 
 from ._ckpt_files import BF16, E4M3, error
-from ._ckpt_plan import _ExpertsPlan
+from ._ckpt_plan import _activation_of, _ExpertsPlan, _LayerPlan, _plan_layer, _routing_of
+from ._enums import is_gated
 
 
 # ---- reading ----------------------------------------------------------------------------------------------
@@ -148,3 +150,30 @@ def _read_bf16(plan: _ExpertsPlan, experts: list, e0: int, ne: int, t0: int, ts:
         w2[i] = _to_bf16(down.weight.read((slice(None), rows)))
         prog.add(sum(l.nbytes for l in (gate, up, down) if l is not None) * ts // I)
     return {"w1": w1, "w2": w2}
+
+
+@dataclass
+class _Checked:
+    """A layer that passed every check of _check_layer, and what the checks found."""
+    plan: _LayerPlan
+    activation: tuple             # (type, alpha, beta, clamp_limit)
+    routing: dict
+    mode: str
+    mode_reason: Optional[str]
+    fc1_input_scale: float
+    fc2_input_scale: float
+
+
+def _check_layer(ck, layer: int, activation, fused_layout, shared_expert: bool = True) -> _Checked:
+    """Every check load_moe_layer makes before it reads the weights, and all that inspect runs: the config
+    (activation, routing), the tensors' headers (the layer plan) and every scalar scale of the layer (weight_scale_2
+    and the input scales of all its experts and of the shared expert, a few bytes each, so that every EP rank
+    refuses the same layers). Preparing the weights then checks their block scales (no NaN code) and biases."""
+    act = _activation_of(ck, activation)
+    plan = _plan_layer(ck, int(layer), is_gated(act[0]), fused_layout)
+    routing = _routing_of(ck, int(layer), plan.routed.E)
+    for p in (plan.routed, plan.shared if shared_expert else None):
+        for lin in (l for e in (p.experts if p else []) for l in e if l is not None and l.fmt == "nvfp4"):
+            lin.read_scale2()
+    mode, why, fc1, fc2 = _a4_scales(ck.quant, plan.routed)
+    return _Checked(plan, act, routing, mode, why, fc1, fc2)

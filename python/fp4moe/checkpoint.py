@@ -9,7 +9,8 @@ model.safetensors.index.json), config.json, and for ModelOpt exports hf_quant_co
 from those files, never guessed; docs/checkpoints.md lists what is recognized and what is refused.
 Only the tensors of the layer asked for are read, memory-mapped through the `safetensors` package.
 
-    python -m fp4moe.checkpoint inspect CHECKPOINT     # layers, formats, shapes, bytes, what would load
+    python -m fp4moe.checkpoint inspect CHECKPOINT     # layers, formats, shapes, bytes, what would load (exit 1:
+                                                       # a layer would be refused)
 """
 from __future__ import annotations
 
@@ -22,10 +23,10 @@ from typing import Optional
 
 import numpy as np
 
-from ._ckpt_files import ARG, Checkpoint, _Shard, _fail  # noqa: F401  (_Shard: for tests that rewrite shards)
-from ._ckpt_plan import _activation_of, _model_type, _plan_layer, _routing_of, moe_layers
-from ._ckpt_read import _a4_scales, _Progress, _read_bf16, _read_nvfp4, _tp_slices, _window
-from ._enums import ActivationType, RoutingMethod, is_gated
+from ._ckpt_files import ARG, Checkpoint, _Shard  # noqa: F401  (_Shard: for tests that rewrite shards)
+from ._ckpt_plan import _activation_of, _model_type, _plan_layer, moe_layers
+from ._ckpt_read import _check_layer, _Progress, _read_bf16, _read_nvfp4, _tp_slices, _window
+from ._enums import ActivationType, RoutingMethod
 from ._errors import error
 
 __all__ = ["Checkpoint", "MoeLayer", "Router", "load_moe_layer", "read_moe_layer", "inspect_checkpoint",
@@ -114,9 +115,8 @@ def read_moe_layer(checkpoint, layer: int, *, tp=None, ep=None, activation=None,
     own = not isinstance(checkpoint, Checkpoint)
     ck = Checkpoint(checkpoint) if own else checkpoint
     try:
-        act = _activation_of(ck, activation)
-        gated = is_gated(act[0])
-        plan = _plan_layer(ck, int(layer), gated, fused_layout)
+        c = _check_layer(ck, int(layer), activation, fused_layout, shared_expert)
+        act, plan, routing = c.activation, c.plan, c.routing
         R = plan.routed
         e0, ne = _window(R.E, ep)
         t0, ts = _tp_slices(R.I, tp)
@@ -124,7 +124,6 @@ def read_moe_layer(checkpoint, layer: int, *, tp=None, ep=None, activation=None,
         sh_t = None
         if plan.shared is not None and shared_expert:
             sh_t = _tp_slices(plan.shared.I, tp)
-        routing = _routing_of(ck, int(layer), R.E)
         total = (R.nbytes * ne // R.E) * ts // R.I + (plan.shared.nbytes if sh_t else 0)
         prog = _Progress(total, progress, f"fp4moe: layer {layer}")
         local = R.experts[e0:e0 + ne]
@@ -132,7 +131,6 @@ def read_moe_layer(checkpoint, layer: int, *, tp=None, ep=None, activation=None,
             routed = _read_nvfp4(R, local, t0, ts, prog)
         else:
             routed = _read_bf16(R, local, e0, ne, t0, ts, rank0, prog)
-        mode, why, fc1, fc2 = _a4_scales(ck.quant, R)
         shared = None
         if sh_t is not None:
             S = plan.shared
@@ -142,9 +140,10 @@ def read_moe_layer(checkpoint, layer: int, *, tp=None, ep=None, activation=None,
                         plan.router_bias.read() if plan.router_bias else None,
                         plan.correction_bias.read() if plan.correction_bias else None, **routing)
         return {"format": R.fmt, "routed": routed, "shared": shared, "router": router, "activation": act,
-                "mode": mode, "mode_reason": why, "fc1_input_scale": fc1, "fc2_input_scale": fc2,
-                "architecture": plan.architecture, "quantization": ck.quant.describe(), "num_experts": R.E,
-                "local_expert_offset": e0, "num_local_experts": ne, "bytes_read": total, "seconds": time.perf_counter() - t_start}
+                "mode": c.mode, "mode_reason": c.mode_reason, "fc1_input_scale": c.fc1_input_scale,
+                "fc2_input_scale": c.fc2_input_scale, "architecture": plan.architecture,
+                "quantization": ck.quant.describe(), "num_experts": R.E, "local_expert_offset": e0,
+                "num_local_experts": ne, "bytes_read": total, "seconds": time.perf_counter() - t_start}
     finally:
         if own:
             ck.close()
@@ -190,38 +189,39 @@ def load_moe_layer(checkpoint, layer: int, *, device="cpu", tp=None, ep=None, ac
 # ---- inspect ------------------------------------------------------------------------------------------------
 
 def inspect_checkpoint(checkpoint, *, activation=None, fused_layout=None) -> dict:
-    """What a checkpoint holds and what load_moe_layer would do with each MoE layer (headers only)."""
+    """What a checkpoint holds and what load_moe_layer would do with each MoE layer: the checks of load run on each
+    (headers, config, every scalar scale of the layer; no weight data is read)."""
     ck = Checkpoint(checkpoint) if not isinstance(checkpoint, Checkpoint) else checkpoint
     files = sorted(set(ck._where.values()))
     out = {"path": str(ck.path), "files": files, "index": ck.index is not None, "tensors": len(ck.names),
            "bytes": sum(os.path.getsize(ck.path / f) for f in files if (ck.path / f).exists()),
            "model_type": _model_type(ck) or None, "quantization": ck.quant.describe(), "layers": []}
     try:
-        act, act_error = _activation_of(ck, activation), None
-        out["activation"] = act[0].name
+        out["activation"] = _activation_of(ck, activation)[0].name
     except Exception as e:  # each layer is refused for it below
-        act, act_error = None, e
         out["activation"] = f"unknown ({e})"
     for L in moe_layers(ck):
         row = {"layer": L}
         try:
-            p = _plan_layer(ck, L, is_gated(act[0]) if act else True, fused_layout)
-            R = p.routed
-            row.update(architecture=p.architecture, format=R.fmt, experts=R.E, H=R.H, I=R.I, bytes=p.nbytes,
-                       shared=None if p.shared is None else f"{p.shared.fmt} I={p.shared.I}",
-                       router=p.router_weight is not None, correction_bias=p.correction_bias is not None)
-            if act_error is not None:
-                raise act_error
-            routing = _routing_of(ck, L, R.E)
-            row["routing"] = routing["routing_method"].name
-            row["top_k"] = routing["top_k"]
-            row["mode"], row["mode_reason"] = _a4_scales(ck.quant, R)[:2]
-            row["load"] = True
+            c = _check_layer(ck, L, activation, fused_layout)  # the checks of load_moe_layer
         except Exception as e:  # inspect reports what load_moe_layer would refuse, it does not raise
-            row["load"] = False
-            row["reason"] = str(e).removeprefix(f"argument '{ARG}': ")
+            row.update(load=False, reason=str(e).removeprefix(f"argument '{ARG}': "))
+            try:  # and describes the layer as far as its tensors go
+                row.update(_describe(_plan_layer(ck, L, True, fused_layout)))
+            except Exception:
+                pass
+        else:
+            row.update(_describe(c.plan), routing=c.routing["routing_method"].name, top_k=c.routing["top_k"],
+                       mode=c.mode, mode_reason=c.mode_reason, load=True)
         out["layers"].append(row)
     return out
+
+
+def _describe(p) -> dict:
+    R = p.routed
+    return dict(architecture=p.architecture, format=R.fmt, experts=R.E, H=R.H, I=R.I, bytes=p.nbytes,
+                shared=None if p.shared is None else f"{p.shared.fmt} I={p.shared.I}",
+                router=p.router_weight is not None, correction_bias=p.correction_bias is not None)
 
 
 def format_inspect(info: dict) -> str:
@@ -253,7 +253,8 @@ def main(argv=None) -> int:
     import argparse
     ap = argparse.ArgumentParser(prog="python -m fp4moe.checkpoint")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    ip = sub.add_parser("inspect", help="layers, formats, shapes, bytes, what would load and what would be refused")
+    ip = sub.add_parser("inspect", help="layers, formats, shapes, bytes, what would load and what would be refused "
+                                        "(exit status 1 when a layer would be refused)")
     ip.add_argument("checkpoint")
     ip.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
@@ -264,7 +265,7 @@ def main(argv=None) -> int:
         print(f"fp4moe inspect: error: {e}", file=sys.stderr)
         return 1
     print(json.dumps(info, indent=1) if a.json else format_inspect(info))
-    return 0
+    return 0 if all(r["load"] for r in info["layers"]) else 1
 
 
 if __name__ == "__main__":

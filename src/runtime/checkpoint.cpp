@@ -407,6 +407,31 @@ A4Scales a4_scales(Store& s, const ExpertsPlan& p) {
   return r;
 }
 
+// Every check read_moe_layer makes before it reads the weights, and all that inspect runs: the config (activation,
+// routing), the tensors' headers (the layer plan) and every scalar scale of the layer (weight_scale_2 and the input
+// scales of all its experts and of the shared expert, a few bytes each, so that every EP rank refuses the same
+// layers). Preparing the weights then checks their block scales (no NaN code).
+struct Checked {
+  ActivationType activation = ActivationType::Swiglu;
+  LayerPlan plan;
+  CheckpointRouter router;
+  A4Scales a4;
+};
+
+Checked check_layer(Store& s, int layer, bool shared_expert) {
+  Checked c;
+  c.activation = activation_of(s);
+  c.plan = plan_layer(s, layer);
+  routing_of(s, c.plan.routed.E, c.router);
+  for (const ExpertsPlan* p : {&c.plan.routed, c.plan.has_shared && shared_expert ? &c.plan.shared : nullptr})
+    if (p)
+      for (const auto& lin : p->experts)
+        for (const Linear& l : lin)
+          if (l.nvfp4) read_scalar(s, l.scale2, l.inverse);
+  c.a4 = a4_scales(s, c.plan.routed);
+  return c;
+}
+
 std::vector<float> read_f32(Store& s, const std::string& name) {
   const std::vector<uint16_t> b = s.file(s.where.at(name)).read_bf16(s.info(name));
   if (s.info(name).dtype_name == "F32") {  // keep fp32 values exact
@@ -424,16 +449,16 @@ std::vector<float> read_f32(Store& s, const std::string& name) {
 
 CheckpointLayer read_moe_layer(const std::string& dir, int layer, const CheckpointOptions& opt) {
   Store s(dir);
-  const ActivationType act = activation_of(s);
-  const LayerPlan p = plan_layer(s, layer);
+  const Checked c = check_layer(s, layer, opt.shared_expert);
+  const LayerPlan& p = c.plan;
   const ExpertsPlan& R = p.routed;
   CheckpointLayer out;
   out.layer = layer;
   out.architecture = p.architecture;
   out.quantization = s.quant.describe();
   out.format = R.nvfp4 ? WeightFormat::NVFP4 : WeightFormat::BF16;
-  out.activation = act;
-  routing_of(s, R.E, out.router);
+  out.activation = c.activation;
+  out.router = c.router;
   if (opt.ep_world < 1 || opt.ep_rank < 0 || opt.ep_rank >= opt.ep_world || opt.ep_world > R.E)
     throw Error(ErrorCode::InvalidArgument, "ep_world",
                 "expected 0 <= ep_rank < ep_world <= E=" + std::to_string(R.E) + ", got ep_rank=" +
@@ -454,7 +479,6 @@ CheckpointLayer read_moe_layer(const std::string& dir, int layer, const Checkpoi
   };
   const auto [t0, ts] = tp_rows(R.I);
   out.routed = read_experts(s, R, win.offset, win.count, t0, ts, &out.bytes_read);
-  const A4Scales a4 = a4_scales(s, R);
   if (p.has_shared && opt.shared_expert) {
     const auto [s0, ss] = tp_rows(p.shared.I);
     out.shared = read_experts(s, p.shared, 0, 1, s0, ss, &out.bytes_read);
@@ -462,10 +486,10 @@ CheckpointLayer read_moe_layer(const std::string& dir, int layer, const Checkpoi
   }
   if (!p.router.empty()) out.router.weight = read_f32(s, p.router);
   if (!p.correction_bias.empty()) out.router.e_score_correction_bias = read_f32(s, p.correction_bias);
-  out.fc1_input_scale = a4.fc1;
-  out.fc2_input_scale = a4.fc2;
-  out.mode = a4.mode;
-  out.mode_reason = a4.reason;
+  out.fc1_input_scale = c.a4.fc1;
+  out.fc2_input_scale = c.a4.fc2;
+  out.mode = c.a4.mode;
+  out.mode_reason = c.a4.reason;
   out.num_experts = R.E;
   out.local_expert_offset = win.offset;
   out.num_local_experts = win.count;
@@ -491,8 +515,7 @@ CheckpointInfo inspect_checkpoint(const std::string& dir) {
   for (const auto& [L, pre] : moe_layers(s)) {
     CheckpointLayerInfo r;
     r.layer = L;
-    try {
-      const LayerPlan p = plan_layer(s, L);
+    auto describe = [&](const LayerPlan& p) {
       r.architecture = p.architecture;
       r.format = p.routed.nvfp4 ? "nvfp4" : "bf16";
       r.experts = p.routed.E;
@@ -502,18 +525,22 @@ CheckpointInfo inspect_checkpoint(const std::string& dir) {
       if (p.has_shared) r.shared = std::string(p.shared.nvfp4 ? "nvfp4" : "bf16") + " I=" + std::to_string(p.shared.I);
       r.router = !p.router.empty();
       r.correction_bias = !p.correction_bias.empty();
-      activation_of(s);
-      CheckpointRouter rt;
-      routing_of(s, p.routed.E, rt);
-      r.routing = rt.has_routing_method ? to_string(rt.routing_method) : "";
-      r.top_k = rt.top_k;
-      const A4Scales a4 = a4_scales(s, p.routed);
-      r.mode = a4.mode == ActMode::A4 ? "a4" : "a16";
-      r.mode_reason = a4.reason;
+    };
+    try {
+      const Checked c = check_layer(s, L, true);  // the checks of read_moe_layer
+      describe(c.plan);
+      r.routing = to_string(c.router.routing_method);
+      r.top_k = c.router.top_k;
+      r.mode = c.a4.mode == ActMode::A4 ? "a4" : "a16";
+      r.mode_reason = c.a4.reason;
       r.loadable = true;
     } catch (const Error& e) {  // inspect reports what read_moe_layer would refuse
       r.loadable = false;
       r.reason = bare(e);
+      try {  // and describes the layer as far as its tensors go
+        describe(plan_layer(s, L));
+      } catch (const Error&) {
+      }
     }
     info.layers.push_back(std::move(r));
   }

@@ -146,3 +146,25 @@ TEST(CheckpointLayers, MixedExpertFormatsNameExpertAndTensor) {
                ErrorCode::InvalidArgument);
   EXPECT_NE(inspect_checkpoint(d.path.string()).layers[0].reason.find("'" + odd + "' (expert 3)"), std::string::npos);
 }
+
+// 5. inspect runs the checks of load: a zero weight_scale_2 is refused by both, and by every EP rank.
+TEST(CheckpointLayers, InspectRunsTheChecksOfLoad) {
+  TempDir d;
+  Model m = make_model(Fmt::ModelOpt, 2, 4, 32, 16, 25);
+  const std::string zero = "model.layers.1.mlp.experts.2.down_proj.weight_scale_2";
+  for (auto& t : m.tensors)
+    if (t.name == zero) t.bytes = f32_bytes(0.f);
+  write_model(d.path, Fmt::ModelOpt, m, 1);
+  const std::string dir = d.path.string();
+  expect_error([&] { read_moe_layer(dir, 1); }, {"tensor '" + zero + "': expected a finite positive scale"},
+               ErrorCode::InvalidArgument);
+  CheckpointOptions rank0;  // experts 0 and 1 only
+  rank0.ep_rank = 0, rank0.ep_world = 2;
+  expect_error([&] { read_moe_layer(dir, 1, rank0); }, {zero}, ErrorCode::InvalidArgument);
+  const CheckpointInfo info = inspect_checkpoint(dir);
+  ASSERT_EQ(info.layers.size(), 2u);
+  EXPECT_TRUE(info.layers[0].loadable) << info.layers[0].reason;
+  EXPECT_FALSE(info.layers[1].loadable);
+  EXPECT_NE(info.layers[1].reason.find(zero), std::string::npos) << info.layers[1].reason;
+  EXPECT_EQ(info.layers[1].format, "nvfp4");  // a refused layer is still described
+}

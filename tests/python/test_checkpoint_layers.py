@@ -5,11 +5,15 @@ by checkpoint_files.py; each test compares with the arrays they were written fro
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from fp4moe_under_test import import_fp4moe
+from fp4moe_under_test import REPO, import_fp4moe
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 pytest.importorskip("safetensors", reason="checkpoint reading needs the safetensors package")
@@ -231,3 +235,28 @@ def test_mixed_nvfp4_and_bf16_experts_are_refused_naming_expert_and_tensor(tmp_p
     assert ei.value.code == fp4moe.ErrorCode.InvalidArgument
     row = ckpt.inspect_checkpoint(d)["layers"][0]
     assert not row["load"] and f"'{odd}gate_proj.weight' (expert 3)" in row["reason"]
+
+
+def test_inspect_runs_the_checks_of_load_and_exits_nonzero_on_a_refusal(tmp_path):
+    d, _ = modelopt_model(tmp_path / "m", layers=2)
+    zero = "model.layers.1.mlp.experts.2.down_proj.weight_scale_2"
+    rewrite(d, lambda t: t.__setitem__(zero, np.array(0.0, np.float32)))
+    with pytest.raises(Fp4MoeError, match=rf"tensor '{zero}': expected a finite positive scale, got 0\.0"):
+        ckpt.load_moe_layer(d, 1)
+    with pytest.raises(Fp4MoeError, match=zero):  # every EP rank refuses it, also one without expert 2
+        ckpt.load_moe_layer(d, 1, ep=(0, 2))
+    rows = ckpt.inspect_checkpoint(d)["layers"]
+    assert rows[0]["load"] and not rows[1]["load"] and zero in rows[1]["reason"]
+    assert rows[1]["format"] == "nvfp4"  # a refused layer is still described
+    env = dict(os.environ, PYTHONPATH=str(REPO / "python"))
+    run = lambda *a: subprocess.run([sys.executable, "-m", "fp4moe.checkpoint", "inspect", *map(str, a)],  # noqa: E731
+                                    capture_output=True, text=True, env=env, timeout=60)
+    out = run(d)
+    assert out.returncode == 1 and "1 of 2 MoE layers would load" in out.stdout, out.stderr
+    good, _ = modelopt_model(tmp_path / "g", layers=1)
+    assert run(good).returncode == 0
+    exe = Path(os.environ.get("FP4MOE_BUILD_DIR", REPO / "build")) / "fp4moe"
+    if exe.exists():  # the C++ CLI the same way
+        out = subprocess.run([str(exe), "inspect", str(d)], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 1 and zero in out.stdout, out.stdout + out.stderr
+        assert subprocess.run([str(exe), "inspect", str(good)], capture_output=True, timeout=60).returncode == 0
