@@ -1,6 +1,7 @@
 // The checkpoint reader's files (src/runtime/checkpoint_files.cpp): a checkpoint directory's config files, its
-// quantization config and tensor table, checked tensor headers and the tensors of one linear. Used by
-// checkpoint.cpp, which plans and reads MoE layers from them (include/fp4moe/checkpoint.h).
+// quantization config and tensor table, checked tensor headers and the tensors of one linear; and what its
+// config.json says of routing and activation (checkpoint_config.cpp). Used by checkpoint.cpp, which plans and
+// reads MoE layers from them (include/fp4moe/checkpoint.h).
 #pragma once
 #include <cstdint>
 #include <filesystem>
@@ -11,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "fp4moe/checkpoint.h"
 #include "fp4moe/types.h"
 #include "runtime/json.h"
 #include "runtime/safetensors.h"
@@ -83,5 +85,12 @@ struct Linear {
 };
 // Finds and checks module's tensors; the format comes from the tensors and must agree with the config.
 Linear plan_linear(Store& s, const std::string& module, int64_t n, int64_t k);
+
+// ---- the config (checkpoint_config.cpp) ----------------------------------------------------------------------
+// The routing (SPEC §3.1) that reproduces the model's router, from config.json, for a layer of E experts; what no
+// routing method reproduces or the operator would refuse is refused naming the config key.
+void routing_of(Store& s, int64_t E, CheckpointRouter& r);
+// The experts' activation from config.json's hidden_act.
+ActivationType activation_of(Store& s);
 
 }  // namespace fp4moe::ckpt
