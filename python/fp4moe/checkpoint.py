@@ -2,7 +2,7 @@
 
     import fp4moe
     layer = fp4moe.load_moe_layer("/models/Qwen3-30B-A3B-NVFP4", 3, device="cuda")
-    y = fp4moe.moe(x, layer.weights, routing_logits=x @ layer.router.weight.T, **layer.moe_kwargs())
+    y = fp4moe.moe(x, layer.weights, routing_logits=layer.router_logits(x), **layer.moe_kwargs())
 
 A checkpoint is a directory with safetensors shards (one file, several files, or shards listed by
 model.safetensors.index.json), config.json, and for ModelOpt exports hf_quant_config.json. The format is read
@@ -18,7 +18,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
@@ -74,6 +74,32 @@ class MoeLayer:
     bytes_read: int
     seconds: float
     mode_reason: Optional[str] = None  # why the layer runs A16 (None in A4): e.g. the expert missing an input scale
+    _router_fp32: dict = field(default_factory=dict, repr=False, compare=False)  # device -> (weight, bias)
+
+    def router_logits(self, hidden):
+        """The router logits [T, E] float32 of hidden states [T, H], as the model's router computes them:
+        hidden @ router.weight.T + router.bias (GPT-OSS has a bias), in fp32. NumPy in, NumPy out; a torch tensor
+        in, a torch tensor on its device out. Give them to fp4moe.moe(x, layer.weights, routing_logits=...)."""
+        r = self.router
+        if r.weight is None:
+            raise error("router", f"layer {self.layer} of the checkpoint has no router weight")
+        E, H = r.weight.shape
+        if len(getattr(hidden, "shape", ())) != 2 or int(hidden.shape[1]) != H:
+            raise error("hidden", f"expected hidden states [T, {H}], got shape {tuple(getattr(hidden, 'shape', ()))}")
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(hidden, torch.Tensor):
+            key = str(hidden.device)
+            if key not in self._router_fp32:
+                as_t = lambda a: None if a is None else torch.from_numpy(a.astype(np.float32)).to(hidden.device)  # noqa: E731
+                self._router_fp32[key] = (as_t(r.weight), as_t(r.bias))
+            w, b = self._router_fp32[key]
+            return torch.nn.functional.linear(hidden.float(), w, b)
+        if "np" not in self._router_fp32:
+            self._router_fp32["np"] = (np.ascontiguousarray(r.weight.astype(np.float32).T),
+                                       None if r.bias is None else r.bias.astype(np.float32))
+        wt, b = self._router_fp32["np"]
+        out = np.asarray(hidden).astype(np.float32) @ wt
+        return out if b is None else out + b
 
     def moe_kwargs(self, mode: Optional[str] = None) -> dict:
         """Keyword arguments of fp4moe.moe for this layer, besides x, weights and the routing logits. mode: the

@@ -17,7 +17,7 @@ from fp4moe_under_test import REPO, import_fp4moe
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 pytest.importorskip("safetensors", reason="checkpoint reading needs the safetensors package")
-from checkpoint_files import BF16, modelopt_model, rewrite  # noqa: E402
+from checkpoint_files import BF16, gpt_oss_model, modelopt_model, rewrite  # noqa: E402
 
 fp4moe, ckpt = import_fp4moe("checkpoint")
 Fp4MoeError = fp4moe.Fp4MoeError
@@ -260,3 +260,33 @@ def test_inspect_runs_the_checks_of_load_and_exits_nonzero_on_a_refusal(tmp_path
         out = subprocess.run([str(exe), "inspect", str(d)], capture_output=True, text=True, timeout=60)
         assert out.returncode == 1 and zero in out.stdout, out.stdout + out.stderr
         assert subprocess.run([str(exe), "inspect", str(good)], capture_output=True, timeout=60).returncode == 0
+
+
+def test_router_logits_include_the_router_bias(tmp_path):
+    """layer.router_logits(hidden) is the model's router (GPT-OSS adds router.bias); the old recipe
+    hidden @ layer.router.weight.T dropped the bias."""
+    d, _ = gpt_oss_model(tmp_path / "g")
+    layer = ckpt.load_moe_layer(d, 0)
+    x = tokens(7, 32)
+    W, b = layer.router.weight.astype(np.float64), layer.router.bias.astype(np.float64)
+    ref = x.astype(np.float64) @ W.T + b
+    got = layer.router_logits(x)
+    assert got.dtype == np.float32 and got.shape == (7, 4)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+    assert np.abs(ref - x.astype(np.float64) @ W.T).max() > 1e-3  # the bias matters here
+    kw = layer.moe_kwargs()
+    y = fp4moe.moe(x, layer.weights, routing_logits=got, num_threads=1, **kw)
+    y_ref = fp4moe.moe(x, layer.weights, routing_logits=ref.astype(np.float32), num_threads=1, **kw)
+    np.testing.assert_array_equal(y.view(np.uint16), y_ref.view(np.uint16))
+    with pytest.raises(Fp4MoeError, match="hidden"):
+        layer.router_logits(np.zeros((3, 16), np.float32))
+
+
+def test_router_logits_of_torch_tensors(tmp_path):
+    torch = pytest.importorskip("torch", reason="the torch path of router_logits needs PyTorch")
+    d, _ = gpt_oss_model(tmp_path / "g")
+    layer = ckpt.load_moe_layer(d, 0)
+    x = tokens(7, 32)
+    got = layer.router_logits(torch.from_numpy(x.astype(np.float32)).to(torch.bfloat16))
+    assert isinstance(got, torch.Tensor) and got.dtype == torch.float32
+    np.testing.assert_allclose(got.numpy(), layer.router_logits(x), rtol=1e-5, atol=1e-6)
