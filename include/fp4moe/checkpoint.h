@@ -20,7 +20,7 @@ struct CheckpointOptions {
   int device_id = 0;
   int tp_rank = 0, tp_world = 1;   // this rank's I/tp_world intermediate rows (a multiple of 16)
   int ep_rank = 0, ep_world = 1;   // this rank's experts (expert_window of parallel.h)
-  bool shared_expert = true;       // read the shared expert when the layer has one
+  bool shared_expert = true;       // read the shared expert when the layer has one (under EP: rank 0 only)
 };
 
 // The router and the routing that reproduces it (SPEC §3.1). A config whose routing no method reproduces, or that

@@ -148,7 +148,7 @@ def read_moe_layer(checkpoint, layer: int, *, tp=None, ep=None, activation=None,
         t0, ts = _tp_slices(R.I, tp)
         rank0 = tp is None or int(tp[0]) == 0
         sh_t = None
-        if plan.shared is not None and shared_expert:
+        if plan.shared is not None and shared_expert and (ep is None or int(ep[0]) == 0):  # EP: rank 0 (SPEC §8)
             sh_t = _tp_slices(plan.shared.I, tp)
         total = (R.nbytes * ne // R.E) * ts // R.I + (plan.shared.nbytes if sh_t else 0)
         prog = _Progress(total, progress, f"fp4moe: layer {layer}")
@@ -182,7 +182,8 @@ def load_moe_layer(checkpoint, layer: int, *, device="cpu", tp=None, ep=None, ac
     checkpoint: a directory (safetensors shards, model.safetensors.index.json, config.json,
       hf_quant_config.json) or a fp4moe.checkpoint.Checkpoint. layer: the decoder layer index.
     tp=(rank, world): this rank's tensor-parallel shard (I/world intermediate rows, a multiple of 16);
-    ep=(rank, world): this rank's experts (fp4moe.distributed.expert_window). Only those bytes are read.
+    ep=(rank, world): this rank's experts (fp4moe.distributed.expert_window), and the shared expert on rank 0
+      only (SPEC §8), so that the sum of the ranks' outputs counts it once. Only those bytes are read.
     activation: overrides the config's (an ActivationType, or {"type", "alpha", "beta", "clamp_limit"}).
     fused_layout: for fused expert tensors without a config that fixes it: 'gpt_oss_interleaved',
       'gpt_oss_blocked' or 'hf'. progress: None (a bar on a terminal for long loads), True, False, or a

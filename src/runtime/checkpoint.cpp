@@ -365,7 +365,7 @@ CheckpointLayer read_moe_layer(const std::string& dir, int layer, const Checkpoi
   };
   const auto [t0, ts] = tp_rows(R.I);
   out.routed = read_experts(s, R, win.offset, win.count, t0, ts, &out.bytes_read);
-  if (p.has_shared && opt.shared_expert) {
+  if (p.has_shared && opt.shared_expert && opt.ep_rank == 0) {  // under EP on rank 0 only (SPEC §8)
     const auto [s0, ss] = tp_rows(p.shared.I);
     out.shared = read_experts(s, p.shared, 0, 1, s0, ss, &out.bytes_read);
     out.has_shared = true;

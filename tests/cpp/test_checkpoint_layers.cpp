@@ -168,3 +168,27 @@ TEST(CheckpointLayers, InspectRunsTheChecksOfLoad) {
   EXPECT_NE(info.layers[1].reason.find(zero), std::string::npos) << info.layers[1].reason;
   EXPECT_EQ(info.layers[1].format, "nvfp4");  // a refused layer is still described
 }
+
+// 5. Under EP the shared expert is read on rank 0 only (SPEC §8): summing the ranks' outputs counts it once.
+TEST(CheckpointLayers, ExpertParallelSharedExpertOnRankZero) {
+  TempDir d;
+  Model m = make_model(Fmt::ModelOpt, 1, 4, 32, 16, 26);
+  const std::string sb = "model.layers.0.mlp.shared_experts.";
+  for (const char* proj : {"gate_proj", "up_proj", "down_proj"}) {
+    const bool down = std::string(proj) == "down_proj";
+    st::WriteTensor t{sb + proj + ".weight", "BF16", {down ? 32 : 16, down ? 16 : 32}, std::vector<uint8_t>(1024)};
+    for (size_t i = 1; i < t.bytes.size(); i += 2) t.bytes[i] = 0x3c;  // bf16 values near 0.01
+    m.tensors.push_back(std::move(t));
+  }
+  write_model(d.path, Fmt::ModelOpt, m, 1);
+  write_text(d.path / "hf_quant_config.json",
+             R"({"quantization":{"quant_algo":"NVFP4","exclude_modules":["model.layers.*.mlp.gate","*shared_experts*"]}})");
+  EXPECT_TRUE(read_moe_layer(d.path.string(), 0).has_shared);
+  for (int r = 0; r < 2; ++r) {
+    CheckpointOptions o;
+    o.ep_rank = r, o.ep_world = 2;
+    const CheckpointLayer l = load_moe_layer(d.path.string(), 0, o);
+    EXPECT_EQ(l.has_shared, r == 0) << "rank " << r;
+    EXPECT_EQ(l.shared_expert.valid(), r == 0) << "rank " << r;
+  }
+}

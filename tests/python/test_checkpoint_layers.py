@@ -290,3 +290,20 @@ def test_router_logits_of_torch_tensors(tmp_path):
     got = layer.router_logits(torch.from_numpy(x.astype(np.float32)).to(torch.bfloat16))
     assert isinstance(got, torch.Tensor) and got.dtype == torch.float32
     np.testing.assert_allclose(got.numpy(), layer.router_logits(x), rtol=1e-5, atol=1e-6)
+
+
+def test_ep_ranks_sum_to_the_layer_with_the_shared_expert_once(tmp_path):
+    """Under EP the shared expert is on rank 0 only (SPEC §8), so the sum of the ranks' moe outputs is the layer."""
+    d, _ = modelopt_model(tmp_path / "m", layers=1, E=4, arch="deepseek")
+    full = ckpt.load_moe_layer(d, 0)
+    assert full.shared_expert is not None
+    x = tokens(6, 64)
+    logits = full.router_logits(x)
+    y_full = run_fp32(full, x, logits)
+    y_sum = np.zeros_like(y_full)
+    for rank in range(2):
+        part = ckpt.load_moe_layer(d, 0, ep=(rank, 2))
+        assert (part.shared_expert is not None) == (rank == 0)
+        assert ("shared_expert" in part.moe_kwargs()) == (rank == 0)
+        y_sum += run_fp32(part, x, logits)
+    assert rel_l2(y_sum, y_full) < 1e-6
