@@ -20,11 +20,11 @@ struct CheckpointOptions {
   int device_id = 0;
   int tp_rank = 0, tp_world = 1;   // this rank's I/tp_world intermediate rows (a multiple of 16)
   int ep_rank = 0, ep_world = 1;   // this rank's experts (expert_window of parallel.h)
-  bool shared_expert = true;       // read the shared expert when the layer has one
+  bool shared_expert = true;       // read the shared expert when the layer has one (under EP: rank 0 only)
 };
 
-// The router and the routing that reproduces it (SPEC §3.1). has_routing_method is false when the config
-// does not name a known model type (the caller then chooses).
+// The router and the routing that reproduces it (SPEC §3.1). A config whose routing no method reproduces, or that
+// the operator would refuse, is refused at load naming its key, so has_routing_method is true for every layer read.
 struct CheckpointRouter {
   std::vector<float> weight;                   // [E, H], empty when the checkpoint has none
   std::vector<float> e_score_correction_bias;  // [E] (DeepSeek-V3 selection bias), or empty
@@ -46,6 +46,7 @@ struct CheckpointLayer {
   CheckpointRouter router;
   ActivationType activation = ActivationType::Swiglu;
   ActMode mode = ActMode::A16;        // A4 when every expert carries input scales (W4A4 checkpoints)
+  std::string mode_reason;            // why A16 (e.g. the expert whose input_scale is missing); "" in A4
   float fc1_input_scale = 0.f, fc2_input_scale = 0.f;  // dequant scales; the largest over the experts
   int64_t num_experts = 0, local_expert_offset = 0, num_local_experts = 0;
   uint64_t bytes_read = 0;
@@ -74,6 +75,7 @@ struct CheckpointLayerInfo {
   bool router = false, correction_bias = false;
   std::string routing;  // the routing method's name, or "" when unknown
   int64_t top_k = 0;
+  std::string mode, mode_reason;  // "a4" or "a16", and why A16 (CheckpointLayer's)
 };
 struct CheckpointInfo {
   std::string path, model_type, quantization;
