@@ -16,10 +16,10 @@
 #include "test_helpers.h"
 #include "fp4moe/peft.h"
 #include "fp4moe/quantize.h"
-#include "runtime/json.h"
-#include "runtime/peft.h"
+#include "io/json.h"
+#include "io/peft.h"
+#include "io/safetensors.h"
 #include "runtime/prepared.h"
-#include "runtime/safetensors.h"
 
 using namespace fp4moe;
 namespace fs = std::filesystem;

@@ -25,9 +25,9 @@
 #include "fp4moe/checkpoint.h"
 #include "fp4moe/peft.h"
 #include "fp4moe/types.h"
-#include "runtime/json.h"
-#include "runtime/peft.h"
-#include "runtime/safetensors.h"
+#include "io/json.h"
+#include "io/peft.h"
+#include "io/safetensors.h"
 
 namespace {
 

@@ -25,9 +25,8 @@ if [[ -z "$cxx" ]]; then
 fi
 
 # The readers under test and what they need from the library (no threads, no CUDA).
-srcs=(src/runtime/safetensors.cpp src/runtime/json.cpp src/runtime/peft.cpp src/runtime/types.cpp
-      src/runtime/host_tensor.cpp src/runtime/checkpoint_files.cpp src/runtime/checkpoint_config.cpp
-      src/runtime/checkpoint.cpp)
+srcs=(src/io/safetensors.cpp src/io/json.cpp src/io/peft.cpp src/io/checkpoint_files.cpp
+      src/io/checkpoint_config.cpp src/io/checkpoint.cpp src/runtime/types.cpp src/runtime/host_tensor.cpp)
 # C++17: clang 14 with libstdc++ 12 in C++20 mode rejects json::Value's vector<pair<string, Value>> member
 # (pair's conditional explicit needs the complete type); these sources are valid C++17.
 flags=(-std=c++17 -O1 -g -fno-omit-frame-pointer -Iinclude -Isrc)

@@ -1,5 +1,5 @@
 // PEFT adapters for transformers 5 fused MoE experts (SPEC §5) -> LoraAdapterDesc (PeftFused).
-#include "runtime/peft.h"
+#include "io/peft.h"
 
 #include <algorithm>
 #include <cmath>
@@ -7,7 +7,7 @@
 #include <set>
 #include <sstream>
 
-#include "runtime/json.h"
+#include "io/json.h"
 #include "runtime/host_tensor.h"
 
 namespace fp4moe {

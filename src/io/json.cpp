@@ -1,4 +1,4 @@
-#include "runtime/json.h"
+#include "io/json.h"
 
 #include <cmath>
 #include <cstdio>

@@ -1,6 +1,6 @@
 // The checkpoint reader's files: config files, quantization configs, the tensor table of a directory's
-// safetensors shards, checked tensor headers and one linear's tensors (src/runtime/checkpoint_files.h).
-#include "runtime/checkpoint_files.h"
+// safetensors shards, checked tensor headers and one linear's tensors (src/io/checkpoint_files.h).
+#include "io/checkpoint_files.h"
 
 #include <algorithm>
 #include <cctype>

@@ -1,12 +1,12 @@
 // The checkpoint reader's configuration: the routing that reproduces a model's router and the experts'
-// activation, read from config.json (src/runtime/checkpoint_files.h).
+// activation, read from config.json (src/io/checkpoint_files.h).
 #include <algorithm>
 #include <cmath>
 #include <iterator>
 #include <optional>
 #include <sstream>
 
-#include "runtime/checkpoint_files.h"
+#include "io/checkpoint_files.h"
 
 namespace fp4moe::ckpt {
 

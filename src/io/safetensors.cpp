@@ -1,4 +1,4 @@
-#include "runtime/safetensors.h"
+#include "io/safetensors.h"
 
 #include <algorithm>
 #include <cmath>
@@ -7,7 +7,7 @@
 #include <fstream>
 #include <limits>
 
-#include "runtime/json.h"
+#include "io/json.h"
 
 namespace fp4moe::safetensors {
 
