@@ -1,8 +1,8 @@
 #include "io/json.h"
 
-#include <cmath>
-#include <cstdio>
-#include <cstdlib>
+#include <limits>
+#include <unordered_set>
+#include <vector>
 
 #include "fp4moe/types.h"
 
@@ -10,253 +10,146 @@ namespace fp4moe::json {
 
 namespace {
 
-constexpr int kMaxDepth = 64;
+// `m` with each byte of an ill-formed UTF-8 sequence as '?': nlohmann/json quotes the bytes it refused, and a
+// message must stay text (Python turns it into a str).
+std::string printable(std::string m) {
+  for (size_t i = 0; i < m.size();) {
+    const auto c = static_cast<unsigned char>(m[i]);
+    size_t n = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xe ? 3 : (c >> 3) == 0x1e ? 4 : 0;
+    for (size_t k = 1; k < n; ++k)
+      if (i + k >= m.size() || (static_cast<unsigned char>(m[i + k]) & 0xc0) != 0x80) n = 0;
+    if (n == 0) {
+      m[i++] = '?';
+    } else {
+      i += n;
+    }
+  }
+  return m;
+}
 
-class Parser {
+// " at byte N (line L, column C): why" for a parse error, ": why" for nlohmann/json's other refusals (a number
+// out of a double's range), its "[json.exception.parse_error.101] " tag left out.
+std::string detail_of(const nlohmann::json::exception& e) {
+  std::string m = printable(e.what());
+  if (const size_t tag = m.find("] "); m.rfind("[json.exception.", 0) == 0 && tag != std::string::npos)
+    m = m.substr(tag + 2);
+  const auto* pe = dynamic_cast<const nlohmann::json::parse_error*>(&e);
+  if (!pe) return ": " + m;
+  const std::string at = " at byte " + std::to_string(pe->byte), head = "parse error";
+  if (m.rfind(head, 0) != 0) return at + ": " + m;
+  m = m.substr(head.size());  // " at line L, column C: why" or ": why"
+  if (const size_t colon = m.find(": "); m.rfind(" at ", 0) == 0 && colon != std::string::npos)
+    return at + " (" + m.substr(4, colon - 4) + ")" + m.substr(colon);
+  return at + m;
+}
+
+// Builds the document from nlohmann/json's SAX events and keeps the rules nlohmann/json leaves to its user (it
+// takes a key twice, and any depth). Members are appended in file order without ordered_map's search of the members
+// for an equal key at each insert, so a header of 100,000 tensors reads in linear time, not quadratic; each object's
+// set of keys refuses a key twice.
+class Builder : public nlohmann::json_sax<Value> {
  public:
-  Parser(std::string_view t, const std::string& what) : t_(t), what_(what) {}
+  Builder(const std::string& argument, const std::string& origin)
+      : argument_(argument), where_((origin.empty() ? "" : origin + ": ") + "invalid JSON") {}
+  Value take() { return std::move(root_); }
 
-  Value document() {
-    skip_ws();
-    Value v = value(0);
-    skip_ws();
-    if (p_ != t_.size()) fail("unexpected trailing characters");
-    return v;
+  bool null() override { return scalar(Value(nullptr)); }
+  bool boolean(bool v) override { return scalar(Value(v)); }
+  bool number_integer(number_integer_t v) override { return scalar(Value(v)); }
+  bool number_unsigned(number_unsigned_t v) override { return scalar(Value(v)); }
+  bool number_float(number_float_t v, const string_t&) override { return scalar(Value(v)); }
+  bool string(string_t& v) override { return scalar(Value(std::move(v))); }
+  bool binary(binary_t&) override { refuse("binary value"); }
+  bool start_object(std::size_t) override {
+    open_.push_back(&put(Value::object()));
+    keys_.emplace_back();
+    return true;
+  }
+  bool key(string_t& k) override {
+    if (!keys_.back().insert(k).second) refuse("duplicate key \"" + k + "\"");
+    key_ = std::move(k);
+    return true;
+  }
+  bool end_object() override {
+    open_.pop_back();
+    keys_.pop_back();
+    return true;
+  }
+  bool start_array(std::size_t) override {
+    open_.push_back(&put(Value::array()));
+    return true;
+  }
+  bool end_array() override {
+    open_.pop_back();
+    return true;
+  }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::json::exception& e) override {
+    throw Error(ErrorCode::InvalidArgument, argument_, where_ + detail_of(e));
   }
 
  private:
-  std::string_view t_;
-  const std::string& what_;
-  size_t p_ = 0;
+  std::string argument_;
+  std::string where_;  // "<origin>: invalid JSON"
+  Value root_;
+  std::vector<Value*> open_;  // the containers being read, innermost last
+  std::vector<std::unordered_set<std::string>> keys_;  // those of each open object
+  std::string key_;  // the key of the member being read
 
-  [[noreturn]] void fail(const std::string& msg) const {
-    throw Error(ErrorCode::InvalidArgument, what_, "invalid JSON at byte " + std::to_string(p_) + ": " + msg);
+  [[noreturn]] void refuse(const std::string& why) const {
+    throw Error(ErrorCode::InvalidArgument, argument_, where_ + ": " + why);
   }
-  bool at_end() const { return p_ >= t_.size(); }
-  char peek() const { return at_end() ? '\0' : t_[p_]; }
-  void skip_ws() {
-    while (!at_end() && (t_[p_] == ' ' || t_[p_] == '\t' || t_[p_] == '\n' || t_[p_] == '\r')) ++p_;
+  // Adds `v` where the text has it: the document, the next element of an array or the member key_ of an object.
+  Value& put(Value v) {
+    if (open_.size() > static_cast<size_t>(kMaxDepth)) refuse("nesting deeper than " + std::to_string(kMaxDepth));
+    if (open_.empty()) return root_ = std::move(v);
+    Value& c = *open_.back();
+    if (c.is_array()) return c.get_ref<Value::array_t&>().emplace_back(std::move(v));
+    return c.get_ref<Value::object_t&>().emplace_back(std::move(key_), std::move(v)).second;
   }
-  void expect(char c) {
-    if (peek() != c || at_end()) fail(std::string("expected '") + c + "'");
-    ++p_;
-  }
-  void literal(std::string_view word) {
-    if (t_.substr(p_, word.size()) != word) fail("unknown literal");
-    p_ += word.size();
-  }
-
-  Value value(int depth) {
-    if (depth > kMaxDepth) fail("nesting deeper than " + std::to_string(kMaxDepth));
-    if (at_end()) fail("unexpected end of text");
-    Value v;
-    switch (peek()) {
-      case '{': object(v, depth); break;
-      case '[': array(v, depth); break;
-      case '"': v.kind = Value::Kind::String; v.str = string(); break;
-      case 't': literal("true"); v.kind = Value::Kind::Bool; v.boolean = true; break;
-      case 'f': literal("false"); v.kind = Value::Kind::Bool; v.boolean = false; break;
-      case 'n': literal("null"); v.kind = Value::Kind::Null; break;
-      default: number(v); break;
-    }
-    return v;
-  }
-
-  void object(Value& v, int depth) {
-    v.kind = Value::Kind::Object;
-    expect('{');
-    skip_ws();
-    if (peek() == '}') { ++p_; return; }
-    for (;;) {
-      skip_ws();
-      if (peek() != '"') fail("expected a string key");
-      std::string key = string();
-      for (const auto& kv : v.object)
-        if (kv.first == key) fail("duplicate key \"" + key + "\"");
-      skip_ws();
-      expect(':');
-      skip_ws();
-      v.object.emplace_back(std::move(key), value(depth + 1));
-      skip_ws();
-      if (peek() == ',') { ++p_; continue; }
-      if (peek() == '}') { ++p_; return; }
-      fail("expected ',' or '}'");
-    }
-  }
-
-  void array(Value& v, int depth) {
-    v.kind = Value::Kind::Array;
-    expect('[');
-    skip_ws();
-    if (peek() == ']') { ++p_; return; }
-    for (;;) {
-      skip_ws();
-      v.array.push_back(value(depth + 1));
-      skip_ws();
-      if (peek() == ',') { ++p_; continue; }
-      if (peek() == ']') { ++p_; return; }
-      fail("expected ',' or ']'");
-    }
-  }
-
-  unsigned hex4() {
-    if (p_ + 4 > t_.size()) fail("truncated \\u escape");
-    unsigned v = 0;
-    for (int i = 0; i < 4; ++i) {
-      const char c = t_[p_++];
-      v <<= 4;
-      if (c >= '0' && c <= '9') v |= unsigned(c - '0');
-      else if (c >= 'a' && c <= 'f') v |= unsigned(c - 'a' + 10);
-      else if (c >= 'A' && c <= 'F') v |= unsigned(c - 'A' + 10);
-      else fail("bad hex digit in \\u escape");
-    }
-    return v;
-  }
-
-  static void utf8(std::string& out, unsigned cp) {
-    if (cp < 0x80) {
-      out += char(cp);
-    } else if (cp < 0x800) {
-      out += char(0xc0 | (cp >> 6));
-      out += char(0x80 | (cp & 0x3f));
-    } else if (cp < 0x10000) {
-      out += char(0xe0 | (cp >> 12));
-      out += char(0x80 | ((cp >> 6) & 0x3f));
-      out += char(0x80 | (cp & 0x3f));
-    } else {
-      out += char(0xf0 | (cp >> 18));
-      out += char(0x80 | ((cp >> 12) & 0x3f));
-      out += char(0x80 | ((cp >> 6) & 0x3f));
-      out += char(0x80 | (cp & 0x3f));
-    }
-  }
-
-  std::string string() {
-    expect('"');
-    std::string out;
-    for (;;) {
-      if (at_end()) fail("unterminated string");
-      const char c = t_[p_++];
-      if (c == '"') return out;
-      if (static_cast<unsigned char>(c) < 0x20) fail("control character in string");
-      if (c != '\\') {
-        out += c;
-        continue;
-      }
-      if (at_end()) fail("unterminated escape");
-      const char e = t_[p_++];
-      switch (e) {
-        case '"': out += '"'; break;
-        case '\\': out += '\\'; break;
-        case '/': out += '/'; break;
-        case 'b': out += '\b'; break;
-        case 'f': out += '\f'; break;
-        case 'n': out += '\n'; break;
-        case 'r': out += '\r'; break;
-        case 't': out += '\t'; break;
-        case 'u': {
-          unsigned cp = hex4();
-          if (cp >= 0xd800 && cp < 0xdc00) {  // a high surrogate must be followed by a low one
-            if (t_.substr(p_, 2) != "\\u") fail("lone high surrogate");
-            p_ += 2;
-            const unsigned lo = hex4();
-            if (lo < 0xdc00 || lo >= 0xe000) fail("bad low surrogate");
-            cp = 0x10000 + ((cp - 0xd800) << 10) + (lo - 0xdc00);
-          } else if (cp >= 0xdc00 && cp < 0xe000) {
-            fail("lone low surrogate");
-          }
-          utf8(out, cp);
-          break;
-        }
-        default: fail("unknown escape");
-      }
-    }
-  }
-
-  void number(Value& v) {
-    const size_t start = p_;
-    if (peek() == '-') ++p_;
-    if (peek() == '0') {
-      ++p_;
-    } else if (peek() >= '1' && peek() <= '9') {
-      while (peek() >= '0' && peek() <= '9' && !at_end()) ++p_;
-    } else {
-      fail("unexpected character");
-    }
-    bool integral = true;
-    if (peek() == '.' && !at_end()) {
-      integral = false;
-      ++p_;
-      if (!(peek() >= '0' && peek() <= '9') || at_end()) fail("digit expected after '.'");
-      while (peek() >= '0' && peek() <= '9' && !at_end()) ++p_;
-    }
-    if ((peek() == 'e' || peek() == 'E') && !at_end()) {
-      integral = false;
-      ++p_;
-      if (peek() == '+' || peek() == '-') ++p_;
-      if (!(peek() >= '0' && peek() <= '9') || at_end()) fail("digit expected in exponent");
-      while (peek() >= '0' && peek() <= '9' && !at_end()) ++p_;
-    }
-    const std::string text(t_.substr(start, p_ - start));
-    v.kind = Value::Kind::Number;
-    v.number = std::strtod(text.c_str(), nullptr);
-    if (integral) {
-      // Exact int64 parse with overflow detection (doubles lose precision past 2^53).
-      const bool neg = text[0] == '-';
-      uint64_t acc = 0;
-      bool overflow = false;
-      for (size_t i = neg ? 1 : 0; i < text.size(); ++i) {
-        const uint64_t d = uint64_t(text[i] - '0');
-        if (acc > (UINT64_MAX - d) / 10) { overflow = true; break; }
-        acc = acc * 10 + d;
-      }
-      const uint64_t limit = neg ? (uint64_t(1) << 63) : (uint64_t(1) << 63) - 1;
-      if (!overflow && acc <= limit) {
-        v.is_int = true;
-        v.integer = neg ? static_cast<int64_t>(0 - acc) : static_cast<int64_t>(acc);
-      }
-    }
+  bool scalar(Value v) {
+    put(std::move(v));
+    return true;
   }
 };
 
 }  // namespace
 
-const Value* Value::find(std::string_view key) const {
-  if (kind != Kind::Object) return nullptr;
-  for (const auto& kv : object)
-    if (kv.first == key) return &kv.second;
+Value parse(std::string_view text, const std::string& argument, const std::string& origin) {
+  Builder b(argument, origin);
+  Value::sax_parse(text.begin(), text.end(), &b, nlohmann::json::input_format_t::json, /*strict=*/true,
+                   /*ignore_comments=*/false);
+  return b.take();
+}
+
+const Value* find(const Value& v, std::string_view key) {
+  if (!v.is_object()) return nullptr;
+  for (const auto& [k, member] : v.get_ref<const Value::object_t&>())
+    if (k == key) return &member;
   return nullptr;
 }
 
-Value parse(std::string_view text, const std::string& what) { return Parser(text, what).document(); }
-
-const char* kind_name(Value::Kind k) {
-  switch (k) {
-    case Value::Kind::Null: return "null";
-    case Value::Kind::Bool: return "a boolean";
-    case Value::Kind::Number: return "a number";
-    case Value::Kind::String: return "a string";
-    case Value::Kind::Array: return "an array";
-    case Value::Kind::Object: return "an object";
+std::optional<int64_t> integer(const Value& v) {
+  if (v.is_number_unsigned()) {
+    const uint64_t u = v.get<uint64_t>();
+    if (u > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) return std::nullopt;
+    return static_cast<int64_t>(u);
   }
-  return "?";
+  if (v.is_number_integer()) return v.get<int64_t>();
+  return std::nullopt;
 }
 
-std::string quote(std::string_view s) {
-  std::string o = "\"";
-  for (const char c : s) {
-    if (c == '"' || c == '\\') {
-      o += '\\';
-      o += c;
-    } else if (static_cast<unsigned char>(c) < 0x20) {
-      char buf[8];
-      std::snprintf(buf, sizeof buf, "\\u%04x", static_cast<unsigned>(static_cast<unsigned char>(c)));
-      o += buf;
-    } else {
-      o += c;
-    }
+const char* kind_name(const Value& v) {
+  switch (v.type()) {
+    case nlohmann::json::value_t::null: return "null";
+    case nlohmann::json::value_t::boolean: return "a boolean";
+    case nlohmann::json::value_t::number_integer:
+    case nlohmann::json::value_t::number_unsigned:
+    case nlohmann::json::value_t::number_float: return "a number";
+    case nlohmann::json::value_t::string: return "a string";
+    case nlohmann::json::value_t::array: return "an array";
+    case nlohmann::json::value_t::object: return "an object";
+    default: return "?";
   }
-  return o + "\"";
 }
 
 }  // namespace fp4moe::json

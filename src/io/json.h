@@ -1,43 +1,33 @@
-// A small, strict JSON parser for the files fp4moe reads itself (safetensors headers, PEFT
-// adapter_config.json). RFC 8259 grammar, bounded nesting depth, no trailing garbage. And the one
-// string-literal writer of the JSON that fp4moe writes (safetensors headers, check and bench reports).
+// JSON as the readers of src/io take it (safetensors headers, checkpoint configs, PEFT adapter_config.json):
+// nlohmann/json under the readers' rules (RFC 8259, no comments, no duplicate key, bounded nesting, objects in
+// file order), every refusal an fp4moe::Error. The writer of JSON string literals is io/json_write.h.
 #pragma once
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
-#include <utility>
-#include <vector>
+
+#include <nlohmann/json.hpp>
 
 namespace fp4moe::json {
 
-struct Value {
-  enum class Kind { Null, Bool, Number, String, Array, Object };
-  Kind kind = Kind::Null;
-  bool boolean = false;
-  double number = 0;
-  bool is_int = false;  // the number was written as an integer that fits in int64
-  int64_t integer = 0;
-  std::string str;
-  std::vector<Value> array;
-  std::vector<std::pair<std::string, Value>> object;  // in file order; duplicate keys are refused
+// A parsed document; an object keeps its members in file order.
+using Value = nlohmann::ordered_json;
 
-  bool is_null() const { return kind == Kind::Null; }
-  bool is_object() const { return kind == Kind::Object; }
-  bool is_array() const { return kind == Kind::Array; }
-  bool is_string() const { return kind == Kind::String; }
-  bool is_number() const { return kind == Kind::Number; }
-  bool is_bool() const { return kind == Kind::Bool; }
-  // Member of an object, or nullptr.
-  const Value* find(std::string_view key) const;
-};
+inline constexpr int kMaxDepth = 64;
 
-// Parses `text` (the whole of it, surrounding whitespace allowed). Throws fp4moe::Error
-// (InvalidArgument, argument `what`) with the byte offset of the problem.
-Value parse(std::string_view text, const std::string& what);
+// Parses `text`, the whole of it (whitespace around it allowed): RFC 8259, no comments, no key twice in an
+// object, nesting at most kMaxDepth deep, every number a finite double. Throws fp4moe::Error (InvalidArgument,
+// argument `argument`): "<origin>: invalid JSON at byte N ..." (without "<origin>: " when origin is empty).
+Value parse(std::string_view text, const std::string& argument, const std::string& origin = "");
 
-const char* kind_name(Value::Kind k);
-
-// `s` as a JSON string literal, quotes included: '"' and '\\' escaped, control characters as \u00XX.
-std::string quote(std::string_view s);
+// The members of an object, in file order (`v` must be an object).
+inline const Value::object_t& members(const Value& v) { return v.get_ref<const Value::object_t&>(); }
+// Member `key` of an object, or nullptr (also when `v` is not an object).
+const Value* find(const Value& v, std::string_view key);
+// The number when it was written as an integer (no fraction, no exponent) that fits in int64; else nothing.
+std::optional<int64_t> integer(const Value& v);
+// "null", "a boolean", "a number", "a string", "an array" or "an object", for messages.
+const char* kind_name(const Value& v);
 
 }  // namespace fp4moe::json

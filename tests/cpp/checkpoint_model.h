@@ -16,7 +16,7 @@
 #include "fp4moe/checkpoint.h"
 #include "fp4moe/moe.h"
 #include "fp4moe/quantize.h"
-#include "io/json.h"
+#include "io/json_write.h"
 #include "io/safetensors.h"
 
 namespace fp4moe::testutil::checkpoint {

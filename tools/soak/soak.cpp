@@ -41,7 +41,7 @@
 #include "runtime/plan.h"
 #include "runtime/problem_shape.h"
 #include "fp4moe/synthetic.h"
-#include "io/json.h"
+#include "io/json_write.h"
 #ifdef FP4MOE_WITH_CUDA
 #include <cuda_runtime.h>
 #endif
