@@ -7,6 +7,7 @@ command -v g++ >/dev/null || need_apt+=(g++)
 command -v git >/dev/null || need_apt+=(git)
 command -v python3 >/dev/null || need_apt+=(python3 python3-pip)
 [ -f /usr/include/gtest/gtest.h ] || need_apt+=(libgtest-dev)
+[ -f /usr/include/nlohmann/json.hpp ] || need_apt+=(nlohmann-json3-dev)  # the file readers' JSON (src/io)
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "setup: apt-get install ${need_apt[*]}"
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"

@@ -16,8 +16,8 @@
 #include "fp4moe/checkpoint.h"
 #include "fp4moe/moe.h"
 #include "fp4moe/quantize.h"
-#include "runtime/json.h"
-#include "runtime/safetensors.h"
+#include "io/json_write.h"
+#include "io/safetensors.h"
 
 namespace fp4moe::testutil::checkpoint {
 

@@ -7,7 +7,7 @@
 #include <gtest/gtest.h>
 
 #include "fp4moe/types.h"
-#include "runtime/json.h"
+#include "io/json.h"
 
 #include <algorithm>
 #include <cmath>

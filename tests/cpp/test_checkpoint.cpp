@@ -19,7 +19,7 @@
 #include "fp4moe/moe.h"
 #include "fp4moe/parallel.h"
 #include "fp4moe/quantize.h"
-#include "runtime/safetensors.h"
+#include "io/safetensors.h"
 #include "test_helpers.h"
 
 using namespace fp4moe;

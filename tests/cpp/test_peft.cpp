@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -16,10 +17,10 @@
 #include "test_helpers.h"
 #include "fp4moe/peft.h"
 #include "fp4moe/quantize.h"
-#include "runtime/json.h"
-#include "runtime/peft.h"
+#include "io/json.h"
+#include "io/peft.h"
+#include "io/safetensors.h"
 #include "runtime/prepared.h"
-#include "runtime/safetensors.h"
 
 using namespace fp4moe;
 namespace fs = std::filesystem;
@@ -84,26 +85,79 @@ TEST(Json, ParsesTheGrammarAndRefusesGarbage) {
            "huge": 9223372036854775808, "o": {}} )",
       "t");
   ASSERT_TRUE(v.is_object());
-  const json::Value* a = v.find("a");
-  ASSERT_TRUE(a && a->is_array() && a->array.size() == 7);
-  EXPECT_TRUE(a->array[0].is_int);
-  EXPECT_EQ(a->array[1].integer, -2);
-  EXPECT_FALSE(a->array[2].is_int);
-  EXPECT_EQ(a->array[2].number, 3.5);
-  EXPECT_EQ(a->array[3].number, 1000.0);
-  EXPECT_FALSE(a->array[3].is_int);
-  EXPECT_TRUE(a->array[4].boolean);
-  EXPECT_TRUE(a->array[6].is_null());
-  EXPECT_EQ(v.find("s")->str, "x\"\\/\n\xc3\xa9\xf0\x9f\x98\x80");
-  EXPECT_EQ(v.find("big")->integer, INT64_MAX);
-  EXPECT_FALSE(v.find("huge")->is_int);
-  EXPECT_EQ(v.find("nope"), nullptr);
+  const json::Value* a = json::find(v, "a");
+  ASSERT_TRUE(a && a->is_array() && a->size() == 7);
+  EXPECT_EQ(json::integer((*a)[0]), 1);
+  EXPECT_EQ(json::integer((*a)[1]), -2);
+  EXPECT_FALSE(json::integer((*a)[2]));
+  EXPECT_EQ((*a)[2].get<double>(), 3.5);
+  EXPECT_EQ((*a)[3].get<double>(), 1000.0);
+  EXPECT_FALSE(json::integer((*a)[3]));
+  EXPECT_TRUE((*a)[4].get<bool>());
+  EXPECT_TRUE((*a)[6].is_null());
+  EXPECT_EQ(json::find(v, "s")->get<std::string>(), "x\"\\/\n\xc3\xa9\xf0\x9f\x98\x80");
+  EXPECT_EQ(json::integer(*json::find(v, "big")), INT64_MAX);
+  EXPECT_FALSE(json::integer(*json::find(v, "huge")));
+  EXPECT_EQ(json::find(v, "nope"), nullptr);
+  EXPECT_EQ(json::find(*a, "a"), nullptr);  // not an object
+  // Members stay in file order.
+  const json::Value ordered = json::parse(R"({"z":1,"a":2,"m":3})", "t");
+  std::string order;
+  for (const auto& [k, m] : json::members(ordered)) order += k;
+  EXPECT_EQ(order, "zam");
   for (const char* bad : {"", "{", "{\"a\":1,}", "[1 2]", "{\"a\":1} x", "{\"a\":1,\"a\":2}", "01", "1.", "-", "\"\\x\"",
                           "\"abc", "tru", "{1:2}", "\"\\ud800\"", "[\"\x01\"]", "nan", "1e"})
     EXPECT_THROW(json::parse(bad, "t"), Error) << bad;
   std::string deep(200, '[');
   deep += std::string(200, ']');
   EXPECT_THROW(json::parse(deep, "t"), Error);
+}
+
+TEST(Json, RefusalsNameTheFileAndThePlace) {
+  auto refused = [](const std::string& text) -> std::string {
+    try {
+      json::parse(text, "config", "dir/config.json");
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::InvalidArgument);
+      EXPECT_EQ(e.argument(), "config");
+      return e.what();
+    }
+    ADD_FAILURE() << "accepted: " << text;
+    return "";
+  };
+  EXPECT_NE(refused("{\"a\": tru}").find("dir/config.json: invalid JSON at byte 10 (line 1, column 10): "),
+            std::string::npos);
+  EXPECT_NE(refused("{\n\"a\": 1,\n\"a\": 2}").find("dir/config.json: invalid JSON: duplicate key \"a\""),
+            std::string::npos);
+  EXPECT_NE(refused("{\"o\": {\"a\": 1, \"a\": 2}}").find("duplicate key \"a\""), std::string::npos);
+  EXPECT_NO_THROW(json::parse(R"({"a": 1, "o": {"a": 2}, "p": [{"a": 3}, {"a": 4}]})", "t"));  // one key, many objects
+  // Nesting: a value at most 64 levels down.
+  const auto nested = [](int n) { return std::string(size_t(n), '[') + "1" + std::string(size_t(n), ']'); };
+  EXPECT_NO_THROW(json::parse(nested(json::kMaxDepth), "t"));
+  EXPECT_NE(refused(nested(json::kMaxDepth + 1)).find("nesting deeper than 64"), std::string::npos);
+  // Numbers past a double and text that is not UTF-8 are refused as fp4moe errors too.
+  EXPECT_NE(refused("[1e400]").find("invalid JSON"), std::string::npos);
+  const std::string not_utf8 = refused("[\"\xff\"]");
+  EXPECT_NE(not_utf8.find("invalid JSON at byte 3"), std::string::npos);
+  EXPECT_EQ(not_utf8.find('\xff'), std::string::npos) << "the message quotes the ill-formed byte";
+  EXPECT_STREQ(json::kind_name(json::parse("[]", "t")), "an array");
+}
+
+TEST(Json, ALargeObjectReadsInLinearTime) {
+  // A checkpoint index of 100,000 tensors (DeepSeek-V3 has 92,000): a search of the members for each key, as an
+  // ordered map inserts, is quadratic (about 20 s); reading members in order takes well under a second.
+  std::string text = "{\"weight_map\": {";
+  const int n = 100000;
+  for (int i = 0; i < n; ++i)
+    text += (i ? ",\"" : "\"") + std::string("model.layers.") + std::to_string(i / 2000) + ".mlp.experts." +
+            std::to_string(i % 2000) + ".down_proj.weight\": \"model-00001-of-00163.safetensors\"";
+  text += "}}";
+  const auto t0 = std::chrono::steady_clock::now();
+  const json::Value v = json::parse(text, "t");
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ASSERT_EQ(json::find(v, "weight_map")->size(), size_t(n));
+  EXPECT_EQ(json::members(*json::find(v, "weight_map")).back().first, "model.layers.49.mlp.experts.1999.down_proj.weight");
+  EXPECT_LT(s, 5.0);
 }
 
 // ---- safetensors -------------------------------------------------------------------------------------------

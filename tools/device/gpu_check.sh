@@ -2,7 +2,8 @@
 # One-shot check of the CUDA backend on the GPU machine (run from the repository root):
 # configure + build (CUDA on, tests on), the GPU test suite, the CPU plan sweep, SASS check for HMMA,
 # and compute-sanitizer memcheck on a reduced filter. Logs go to $LOGS (default ./gpu-check-out).
-# GoogleTest is not installed there: copy /usr/src/googletest to .deps/googletest before the run.
+# GoogleTest is not installed there: copy /usr/src/googletest to .deps/googletest before the run; where nlohmann/json
+# is not installed either, copy /usr/include/nlohmann to .deps/nlohmann_json/include/nlohmann (CMakeLists.txt looks there).
 #   FILTER        gtest filter for the GPU suite (default: all)
 #   TEST_TIMEOUT  seconds for the GPU suite (default 300)
 #   MEMCHECK_FILTER, MEMCHECK_TIMEOUT  (defaults: a few small tests, 60 s); MEMCHECK=0 skips it

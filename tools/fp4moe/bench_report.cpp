@@ -11,7 +11,7 @@
 
 #include "bench.h"
 #include "fp4moe/build_info.h"
-#include "runtime/json.h"
+#include "io/json_write.h"
 #include "runtime/plan.h"
 
 namespace fp4moe::bench {

@@ -9,7 +9,7 @@
 
 #include "fp4moe/build_info.h"
 #include "fp4moe/types.h"
-#include "runtime/json.h"
+#include "io/json_write.h"
 
 #if defined(__clang__)
 #pragma clang fp contract(off)

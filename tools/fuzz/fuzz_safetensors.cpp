@@ -25,9 +25,9 @@
 #include "fp4moe/checkpoint.h"
 #include "fp4moe/peft.h"
 #include "fp4moe/types.h"
-#include "runtime/json.h"
-#include "runtime/peft.h"
-#include "runtime/safetensors.h"
+#include "io/json.h"
+#include "io/peft.h"
+#include "io/safetensors.h"
 
 namespace {
 
@@ -155,7 +155,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   // 1. JSON.
   try {
     const fp4moe::json::Value v = fp4moe::json::parse(text, "fuzz");
-    (void)v.find("r");
+    (void)fp4moe::json::find(v, "r");
   } catch (const Error&) {
   }
 

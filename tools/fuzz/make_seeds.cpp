@@ -12,8 +12,8 @@
 #include <vector>
 
 #include "fp4moe/checkpoint.h"
-#include "runtime/peft.h"
-#include "runtime/safetensors.h"
+#include "io/peft.h"
+#include "io/safetensors.h"
 
 namespace st = fp4moe::safetensors;
 

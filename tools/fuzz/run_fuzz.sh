@@ -4,7 +4,8 @@
 # Exit status 0 only when the run ended without a crash, leak, sanitizer report or timeout.
 #
 # usage: tools/fuzz/run_fuzz.sh [SECONDS=180] [BUILD_DIR=build-fuzz] [extra libFuzzer flags...]
-# Needs clang with compiler-rt (Debian: apt-get install -y clang-14 libclang-rt-14-dev).
+# Needs clang with compiler-rt (Debian: apt-get install -y clang-14 libclang-rt-14-dev) and nlohmann/json's headers
+# (scripts/setup.sh installs nlohmann-json3-dev; elsewhere set JSON_INCLUDE_DIR to the folder holding nlohmann/).
 set -euo pipefail
 
 secs=${1:-180}
@@ -25,12 +26,9 @@ if [[ -z "$cxx" ]]; then
 fi
 
 # The readers under test and what they need from the library (no threads, no CUDA).
-srcs=(src/runtime/safetensors.cpp src/runtime/json.cpp src/runtime/peft.cpp src/runtime/types.cpp
-      src/runtime/host_tensor.cpp src/runtime/checkpoint_files.cpp src/runtime/checkpoint_config.cpp
-      src/runtime/checkpoint.cpp)
-# C++17: clang 14 with libstdc++ 12 in C++20 mode rejects json::Value's vector<pair<string, Value>> member
-# (pair's conditional explicit needs the complete type); these sources are valid C++17.
-flags=(-std=c++17 -O1 -g -fno-omit-frame-pointer -Iinclude -Isrc)
+srcs=(src/io/safetensors.cpp src/io/json.cpp src/io/json_write.cpp src/io/peft.cpp src/io/checkpoint_files.cpp
+      src/io/checkpoint_config.cpp src/io/checkpoint.cpp src/runtime/types.cpp src/runtime/host_tensor.cpp)
+flags=(-std=c++20 -O1 -g -fno-omit-frame-pointer -Iinclude -Isrc ${JSON_INCLUDE_DIR:+-I"$JSON_INCLUDE_DIR"})
 mkdir -p "$out/artifacts" "$out/corpus" "$out/seeds"
 echo "== building with $("$cxx" --version | head -1)"
 "$cxx" "${flags[@]}" -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all \

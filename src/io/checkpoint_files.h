@@ -1,4 +1,4 @@
-// The checkpoint reader's files (src/runtime/checkpoint_files.cpp): a checkpoint directory's config files, its
+// The checkpoint reader's files (src/io/checkpoint_files.cpp): a checkpoint directory's config files, its
 // quantization config and tensor table, checked tensor headers and the tensors of one linear; and what its
 // config.json says of routing and activation (checkpoint_config.cpp). Used by checkpoint.cpp, which plans and
 // reads MoE layers from them (include/fp4moe/checkpoint.h).
@@ -14,8 +14,8 @@
 
 #include "fp4moe/checkpoint.h"
 #include "fp4moe/types.h"
-#include "runtime/json.h"
-#include "runtime/safetensors.h"
+#include "io/json.h"
+#include "io/safetensors.h"
 
 namespace fp4moe::ckpt {
 

@@ -1,6 +1,6 @@
 // The checkpoint reader's files: config files, quantization configs, the tensor table of a directory's
-// safetensors shards, checked tensor headers and one linear's tensors (src/runtime/checkpoint_files.h).
-#include "runtime/checkpoint_files.h"
+// safetensors shards, checked tensor headers and one linear's tensors (src/io/checkpoint_files.h).
+#include "io/checkpoint_files.h"
 
 #include <algorithm>
 #include <cctype>
@@ -18,10 +18,10 @@ std::string bare(const Error& e) {
   return (!e.argument().empty() && m.rfind(p, 0) == 0) ? m.substr(p.size()) : m;
 }
 
-const json::Value* member(const json::Value* v, const char* key) { return v && v->is_object() ? v->find(key) : nullptr; }
-std::string str_of(const json::Value* v, const std::string& dflt) { return v && v->is_string() ? v->str : dflt; }
-double num_of(const json::Value* v, double dflt) { return v && v->is_number() ? v->number : dflt; }
-bool bool_of(const json::Value* v, bool dflt) { return v && v->is_bool() ? v->boolean : dflt; }
+const json::Value* member(const json::Value* v, const char* key) { return v ? json::find(*v, key) : nullptr; }
+std::string str_of(const json::Value* v, const std::string& dflt) { return v && v->is_string() ? v->get<std::string>() : dflt; }
+double num_of(const json::Value* v, double dflt) { return v && v->is_number() ? v->get<double>() : dflt; }
+bool bool_of(const json::Value* v, bool dflt) { return v && v->is_boolean() ? v->get<bool>() : dflt; }
 
 namespace {
 
@@ -79,32 +79,32 @@ bool re_match(const std::string& pat, const std::string& s) {
 }
 
 Quant modelopt_quant(const json::Value* q, const std::string& src) {
-  if (!q || !q->is_object() || !q->find("quant_algo"))
+  if (!member(q, "quant_algo"))
     fail(src + ": expected a ModelOpt quantization section with \"quant_algo\"");
   Quant r;
   r.method = "modelopt";
   r.source = src;
-  r.algo = upper(str_of(q->find("quant_algo")));
-  const json::Value* gs = q->find("group_size");
-  if (gs && !gs->is_null() && !(gs->is_number() && gs->number == 16))
+  r.algo = upper(str_of(member(q, "quant_algo")));
+  const json::Value* gs = member(q, "group_size");
+  if (gs && !gs->is_null() && num_of(gs, 0) != 16)
     fail(src + ": expected NVFP4 group_size 16", ErrorCode::Unsupported);
   // "exclude_modules" in hf_quant_config.json, "ignore" in config.json (ModelOpt's export, as vLLM reads them)
   for (const char* key : {"exclude_modules", "ignore"})
-    if (const json::Value* ex = q->find(key); ex && ex->is_array())
-      for (const auto& v : ex->array) r.exclude.push_back(str_of(&v));
+    if (const json::Value* ex = member(q, key); ex && ex->is_array())
+      for (const auto& v : *ex) r.exclude.push_back(str_of(&v));
   if (r.algo == "MIXED_PRECISION") {
-    const json::Value* ql = q->find("quantized_layers");
+    const json::Value* ql = member(q, "quantized_layers");
     if (!ql || !ql->is_object()) fail(src + ": MIXED_PRECISION needs a \"quantized_layers\" object");
     r.mixed = true;
-    for (const auto& [k, v] : ql->object) {
-      const std::string a = upper(v.is_object() ? str_of(v.find("quant_algo")) : str_of(&v));
+    for (const auto& [k, v] : json::members(*ql)) {
+      const std::string a = upper(v.is_object() ? str_of(member(&v, "quant_algo")) : str_of(&v));
       r.layers[k] = a;
       if (a == "NVFP4") r.a4 = true;
     }
   } else if (r.algo == "NVFP4") {
     r.a4 = true;
   } else if (r.algo != "W4A16_NVFP4") {
-    fail(src + ": unsupported ModelOpt quant_algo '" + str_of(q->find("quant_algo")) +
+    fail(src + ": unsupported ModelOpt quant_algo '" + str_of(member(q, "quant_algo")) +
              "' (fp4moe reads NVFP4, W4A16_NVFP4 and MIXED_PRECISION of those)",
          ErrorCode::Unsupported);
   }
@@ -112,15 +112,15 @@ Quant modelopt_quant(const json::Value* q, const std::string& src) {
 }
 
 Quant ct_quant(const json::Value& qc, const std::string& src) {
-  const json::Value* groups = qc.find("config_groups");
-  if (!groups || !groups->is_object() || groups->object.empty())
+  const json::Value* groups = member(&qc, "config_groups");
+  if (!groups || !groups->is_object() || groups->empty())
     fail(src + ": compressed-tensors config without \"config_groups\"");
   Quant r;
   r.method = "compressed-tensors";
   r.algo = "nvfp4-pack-quantized";
   r.source = src;
-  const std::string top_fmt = str_of(qc.find("format"));
-  for (const auto& [name, g] : groups->object) {
+  const std::string top_fmt = str_of(member(&qc, "format"));
+  for (const auto& [name, g] : json::members(*groups)) {
     const std::string fmt = str_of(member(&g, "format"), top_fmt);
     if (fmt != "nvfp4-pack-quantized")
       fail(src + ": config group '" + name + "': unsupported compressed-tensors format '" + fmt +
@@ -138,10 +138,10 @@ Quant ct_quant(const json::Value& qc, const std::string& src) {
       r.a4 = true;
     }
     if (const json::Value* t = member(&g, "targets"); t && t->is_array())
-      for (const auto& v : t->array) r.targets.push_back(str_of(&v));
+      for (const auto& v : *t) r.targets.push_back(str_of(&v));
   }
-  if (const json::Value* ig = qc.find("ignore"); ig && ig->is_array())
-    for (const auto& v : ig->array) r.exclude.push_back(str_of(&v));
+  if (const json::Value* ig = member(&qc, "ignore"); ig && ig->is_array())
+    for (const auto& v : *ig) r.exclude.push_back(str_of(&v));
   return r;
 }
 
@@ -186,10 +186,11 @@ Store::Store(const std::string& dir) : root(dir) {
   if (auto doc = read_json(idx)) {
     const json::Value* wm = member(&*doc, "weight_map");
     if (!wm || !wm->is_object()) fail(idx.string() + ": expected an object with a \"weight_map\" {tensor: file}");
-    for (const auto& [name, f] : wm->object) {
-      if (!f.is_string() || f.str.empty() || f.str.find('/') != std::string::npos || f.str[0] == '.')
+    for (const auto& [name, f] : json::members(*wm)) {
+      const std::string fname = str_of(&f);
+      if (fname.empty() || fname.find('/') != std::string::npos || fname[0] == '.')
         fail(idx.string() + ": tensor '" + name + "' maps to an unusable file name");
-      where[name] = f.str;
+      where[name] = fname;
     }
     index = true;
   } else {
@@ -218,9 +219,9 @@ void Store::detect_quant() {
     quant.source = src;
     return;
   }
-  const std::string m = str_of(qc->find("quant_method"));
+  const std::string m = str_of(member(qc, "quant_method"));
   if (m == "modelopt") {
-    const json::Value* q = qc->find("quantization");
+    const json::Value* q = member(qc, "quantization");
     quant = modelopt_quant(q ? q : qc, src);
   } else if (m == "compressed-tensors") {
     quant = ct_quant(*qc, src);

@@ -1,12 +1,13 @@
 // The checkpoint reader's configuration: the routing that reproduces a model's router and the experts'
-// activation, read from config.json (src/runtime/checkpoint_files.h).
+// activation, read from config.json (src/io/checkpoint_files.h).
 #include <algorithm>
 #include <cmath>
 #include <iterator>
 #include <optional>
 #include <sstream>
 
-#include "runtime/checkpoint_files.h"
+#include "io/checkpoint_files.h"
+#include "io/json_write.h"
 
 namespace fp4moe::ckpt {
 
@@ -23,9 +24,9 @@ const json::Value* config_of(Store& s) {
 // A config value as a message shows it.
 std::string shown(const json::Value& v) {
   std::ostringstream o;
-  if (v.is_number()) o << v.number;
-  else if (v.is_string()) o << json::quote(v.str);
-  else if (v.is_bool()) o << (v.boolean ? "true" : "false");
+  if (v.is_number()) o << v.get<double>();
+  else if (v.is_string()) o << json::quote(v.get<std::string>());
+  else if (v.is_boolean()) o << (v.get<bool>() ? "true" : "false");
   else o << (v.is_null() ? "null" : "an array or object");
   return o.str();
 }
@@ -57,9 +58,9 @@ void routing_of(Store& s, int64_t E, CheckpointRouter& r) {
     const json::Value* v = member(c, key.c_str());
     if (!v && dflt) return static_cast<int64_t>(*dflt);
     if (!v) refuse(key, "is missing");
-    if (!v->is_number() || v->number != std::floor(v->number) || std::fabs(v->number) > 1e9)
-      refuse(key, shown(*v) + ": expected an integer");
-    return static_cast<int64_t>(v->number);
+    const double x = num_of(v, 0);
+    if (!v->is_number() || x != std::floor(x) || std::fabs(x) > 1e9) refuse(key, shown(*v) + ": expected an integer");
+    return static_cast<int64_t>(x);
   };
   auto among = [&](const auto& names) {
     return std::any_of(std::begin(names), std::end(names), [&](const char* n) { return mt == n; });
@@ -112,9 +113,9 @@ void routing_of(Store& s, int64_t E, CheckpointRouter& r) {
     refuse(kkey, std::to_string(r.top_k) + ": more than the " + std::to_string(tg * (E / g)) + " experts of topk_group=" +
                      std::to_string(tg) + " groups");
   const json::Value* rsf = member(c, "routed_scaling_factor");
-  if (rsf && (!rsf->is_number() || !std::isfinite(rsf->number)))
+  if (rsf && (!rsf->is_number() || !std::isfinite(num_of(rsf, 0))))
     refuse("routed_scaling_factor", shown(*rsf) + ": expected a finite number");
-  r.routed_scaling_factor = static_cast<float>(rsf ? rsf->number : ds->routed_scaling_factor);
+  r.routed_scaling_factor = static_cast<float>(num_of(rsf, ds->routed_scaling_factor));
 }
 
 ActivationType activation_of(Store& s) {

@@ -1,5 +1,5 @@
 // MoE layers of checkpoint directories (include/fp4moe/checkpoint.h): the layer plan, the checks of a layer,
-// reading this rank's part, and inspect. The files and the config: runtime/checkpoint_files.h.
+// reading this rank's part, and inspect. The files and the config: io/checkpoint_files.h.
 #include "fp4moe/checkpoint.h"
 
 #include <algorithm>
@@ -13,7 +13,7 @@
 #include <sstream>
 
 #include "fp4moe/parallel.h"  // ExpertWindow
-#include "runtime/checkpoint_files.h"
+#include "io/checkpoint_files.h"
 
 namespace fp4moe {
 

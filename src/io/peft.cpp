@@ -1,13 +1,14 @@
 // PEFT adapters for transformers 5 fused MoE experts (SPEC §5) -> LoraAdapterDesc (PeftFused).
-#include "runtime/peft.h"
+#include "io/peft.h"
 
 #include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <optional>
 #include <set>
 #include <sstream>
 
-#include "runtime/json.h"
+#include "io/json.h"
 #include "runtime/host_tensor.h"
 
 namespace fp4moe {
@@ -115,41 +116,42 @@ std::string read_text(const std::string& path) {
 namespace peft {
 
 PeftConfig parse_config(std::string_view text, const std::string& origin) {
-  const json::Value root = json::parse(text, "adapter_config");
+  const json::Value root = json::parse(text, "adapter_config", origin);
   auto field = [&](const char* name) { return origin + ": field '" + name + "'"; };
   if (!root.is_object()) invalid("adapter_config", origin + ": expected a JSON object");
   PeftConfig c;
-  if (const json::Value* t = root.find("peft_type"); t && !t->is_null())
-    if (!t->is_string() || t->str != "LORA")
+  if (const json::Value* t = json::find(root, "peft_type"); t && !t->is_null())
+    if (!t->is_string() || t->get<std::string>() != "LORA")
       throw Error(ErrorCode::Unsupported, "peft_type", field("peft_type") + ": expected \"LORA\"");
-  const json::Value* r = root.find("r");
-  if (!r || !r->is_number() || !r->is_int || r->integer <= 0)
-    invalid("r", field("r") + ": expected a positive integer");
-  c.r = r->integer;
-  if (const json::Value* a = root.find("lora_alpha"); a && !a->is_null()) {
-    if (!a->is_number() || !std::isfinite(a->number)) invalid("lora_alpha", field("lora_alpha") + ": expected a finite number");
-    c.lora_alpha = static_cast<float>(a->number);
+  const json::Value* r = json::find(root, "r");
+  const std::optional<int64_t> rank = r ? json::integer(*r) : std::nullopt;
+  if (!rank || *rank <= 0) invalid("r", field("r") + ": expected a positive integer");
+  c.r = *rank;
+  if (const json::Value* a = json::find(root, "lora_alpha"); a && !a->is_null()) {
+    if (!a->is_number() || !std::isfinite(a->get<double>()))
+      invalid("lora_alpha", field("lora_alpha") + ": expected a finite number");
+    c.lora_alpha = static_cast<float>(a->get<double>());
     if (!std::isfinite(c.lora_alpha)) invalid("lora_alpha", field("lora_alpha") + ": expected a value that fits in fp32");
   }
-  if (const json::Value* u = root.find("use_rslora"); u && !u->is_null()) {
-    if (!u->is_bool()) invalid("use_rslora", field("use_rslora") + ": expected true or false");
-    c.use_rslora = u->boolean;
+  if (const json::Value* u = json::find(root, "use_rslora"); u && !u->is_null()) {
+    if (!u->is_boolean()) invalid("use_rslora", field("use_rslora") + ": expected true or false");
+    c.use_rslora = u->get<bool>();
   }
   for (const char* unsupported_flag : {"use_dora", "lora_bias"})
-    if (const json::Value* u = root.find(unsupported_flag); u && u->is_bool() && u->boolean)
+    if (const json::Value* u = json::find(root, unsupported_flag); u && u->is_boolean() && u->get<bool>())
       throw Error(ErrorCode::Unsupported, unsupported_flag, field(unsupported_flag) + ": expected false (not supported)");
   for (const char* pattern : {"rank_pattern", "alpha_pattern"})
-    if (const json::Value* p = root.find(pattern); p && !p->is_null()) {
+    if (const json::Value* p = json::find(root, pattern); p && !p->is_null()) {
       if (!p->is_object()) invalid(pattern, field(pattern) + ": expected an object");
-      if (!p->object.empty())
+      if (!p->empty())
         throw Error(ErrorCode::Unsupported, pattern,
                     field(pattern) + ": expected it empty (per-module ranks or alphas are not supported)");
     }
-  if (const json::Value* t = root.find("target_parameters"); t && !t->is_null()) {
+  if (const json::Value* t = json::find(root, "target_parameters"); t && !t->is_null()) {
     if (!t->is_array()) invalid("target_parameters", field("target_parameters") + ": expected an array of strings");
-    for (const json::Value& s : t->array) {
+    for (const json::Value& s : *t) {
       if (!s.is_string()) invalid("target_parameters", field("target_parameters") + ": expected an array of strings");
-      c.target_parameters.push_back(s.str);
+      c.target_parameters.push_back(s.get<std::string>());
     }
   }
   return c;

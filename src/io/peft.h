@@ -5,7 +5,7 @@
 #include <string_view>
 
 #include "fp4moe/peft.h"
-#include "runtime/safetensors.h"
+#include "io/safetensors.h"
 
 namespace fp4moe::peft {
 

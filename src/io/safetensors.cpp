@@ -1,4 +1,4 @@
-#include "runtime/safetensors.h"
+#include "io/safetensors.h"
 
 #include <algorithm>
 #include <cmath>
@@ -6,8 +6,10 @@
 #include <cstring>
 #include <fstream>
 #include <limits>
+#include <optional>
 
-#include "runtime/json.h"
+#include "io/json.h"
+#include "io/json_write.h"
 
 namespace fp4moe::safetensors {
 
@@ -108,52 +110,57 @@ void File::parse_header(const std::string& header) {
     throw Error(ErrorCode::InvalidArgument, "path", origin_ + ": " + what);
   };
   if (header.empty() || header[0] != '{') bad("expected the header to be a JSON object starting with '{'");
-  const json::Value root = json::parse(header, "path");
+  const json::Value root = json::parse(header, "path", origin_);
   if (!root.is_object()) bad("expected the header to be a JSON object");
   const uint64_t data_size = file_size_ - data_start_;
-  for (const auto& [name, v] : root.object) {
+  for (const auto& [name, v] : json::members(root)) {
     if (name == "__metadata__") {
-      if (!v.is_object()) bad("expected __metadata__ to be an object, got " + std::string(json::kind_name(v.kind)));
-      for (const auto& [k, s] : v.object) {
+      if (!v.is_object()) bad("expected __metadata__ to be an object, got " + std::string(json::kind_name(v)));
+      for (const auto& [k, s] : json::members(v)) {
         if (!s.is_string()) bad("expected __metadata__[\"" + k + "\"] to be a string");
-        metadata_[k] = s.str;
+        metadata_[k] = s.get<std::string>();
       }
       continue;
     }
     const std::string where = "tensor '" + name + "'";
     if (name.empty()) bad("expected non-empty tensor names");
-    if (!v.is_object()) bad(where + ": expected an object, got " + json::kind_name(v.kind));
-    for (const auto& kv : v.object)
+    if (!v.is_object()) bad(where + ": expected an object, got " + json::kind_name(v));
+    for (const auto& kv : json::members(v))
       if (kv.first != "dtype" && kv.first != "shape" && kv.first != "data_offsets")
         bad(where + ": unexpected key \"" + kv.first + "\"");
-    const json::Value* dt = v.find("dtype");
-    const json::Value* sh = v.find("shape");
-    const json::Value* off = v.find("data_offsets");
+    const json::Value* dt = json::find(v, "dtype");
+    const json::Value* sh = json::find(v, "shape");
+    const json::Value* off = json::find(v, "data_offsets");
     if (!dt || !dt->is_string()) bad(where + ": expected a string \"dtype\"");
     if (!sh || !sh->is_array()) bad(where + ": expected an array \"shape\"");
-    if (!off || !off->is_array() || off->array.size() != 2) bad(where + ": expected \"data_offsets\" [begin, end]");
+    if (!off || !off->is_array() || off->size() != 2) bad(where + ": expected \"data_offsets\" [begin, end]");
     TensorInfo t;
     t.name = name;
-    t.dtype_name = dt->str;
+    t.dtype_name = dt->get<std::string>();
     const DtypeInfo* di = dtype_info(t.dtype_name);
     if (!di) bad(where + ": unknown dtype \"" + t.dtype_name + "\"");
     t.elem_size = di->size;
     t.has_dtype = di->has;
     t.dtype = di->dtype;
-    if (sh->array.size() > static_cast<size_t>(kMaxRank))
-      bad(where + ": expected at most " + std::to_string(kMaxRank) + " dims, got " + std::to_string(sh->array.size()));
+    if (sh->size() > static_cast<size_t>(kMaxRank))
+      bad(where + ": expected at most " + std::to_string(kMaxRank) + " dims, got " + std::to_string(sh->size()));
     uint64_t numel = 1;
-    for (const json::Value& d : sh->array) {
-      if (!d.is_number() || !d.is_int || d.integer < 0) bad(where + ": expected non-negative integer sizes in \"shape\"");
-      const uint64_t s = static_cast<uint64_t>(d.integer);
+    for (const json::Value& d : *sh) {
+      const std::optional<int64_t> n = json::integer(d);
+      if (!n || *n < 0) bad(where + ": expected non-negative integer sizes in \"shape\"");
+      const uint64_t s = static_cast<uint64_t>(*n);
       if (s != 0 && numel > (uint64_t(1) << 56) / s) bad(where + ": shape too large");
       numel *= s;
-      t.shape.push_back(d.integer);
+      t.shape.push_back(*n);
     }
-    for (const json::Value& o : off->array)
-      if (!o.is_number() || !o.is_int || o.integer < 0) bad(where + ": expected non-negative integer data_offsets");
-    t.begin = static_cast<uint64_t>(off->array[0].integer);
-    t.end = static_cast<uint64_t>(off->array[1].integer);
+    uint64_t offsets[2];
+    for (size_t i = 0; i < 2; ++i) {
+      const std::optional<int64_t> o = json::integer((*off)[i]);
+      if (!o || *o < 0) bad(where + ": expected non-negative integer data_offsets");
+      offsets[i] = static_cast<uint64_t>(*o);
+    }
+    t.begin = offsets[0];
+    t.end = offsets[1];
     if (t.begin > t.end) bad(where + ": data_offsets begin " + std::to_string(t.begin) + " > end " + std::to_string(t.end));
     if (t.end > data_size)
       bad(where + ": data_offsets end " + std::to_string(t.end) + " is past the data buffer (" +
