@@ -202,7 +202,12 @@ def llmcompressor_case(build, out_dir: Path, name: str, ignore):
     from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import QuantizationModifier
 
+    import tempfile
+    from transformers import AutoModelForCausalLM
     model, block_name, layer = init_model(build)
+    tmp = tempfile.mkdtemp()  # oneshot reads the model's config from model.config.name_or_path
+    model.save_pretrained(tmp)
+    model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.bfloat16).eval()
     batches = calib_batches()
     ds = Dataset.from_list([{"input_ids": r.tolist()} for b in batches for r in b])
     recipe = QuantizationModifier(targets="Linear", scheme="NVFP4", ignore=ignore)
