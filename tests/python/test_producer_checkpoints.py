@@ -1,0 +1,85 @@
+"""Checkpoints written by the real NVFP4 quantizers (tests/data/producers, made by
+tools/make_producer_checkpoints.py; each case's versions.json names the tools and their versions): each loads with
+fp4moe.load_moe_layer and fp4moe.moe on the CPU reproduces the producer's own output of the MoE block on the same
+fixed inputs (reference.safetensors: x, the producer's y and its router logits).
+
+The producer's y is its fake-quantized forward in bf16: weights NVFP4-decoded, and the activations (ModelOpt
+NVFP4_DEFAULT_CFG is W4A4) quantized to NVFP4 with each linear's own calibrated input scale, each linear's output
+rounded to bf16. fp4moe's A4 mode quantizes the activations with one input scale per layer (the largest over the
+experts, as vLLM does), which moves the E4M3 block scales and so the FP4 rounding of some blocks; its A16 mode does
+not quantize the activations at all. llmcompressor (scheme NVFP4) likewise fake-quantizes weights and inputs with
+per-linear global scales. Measured relative L2 errors ||y - y_ref|| / ||y_ref|| (ModelOpt 0.47.0, llmcompressor
+0.14.0.1 with compressed-tensors 0.19.0, transformers 5.17.0, torch 2.14.0):
+
+    case                      A4      A16
+    modelopt_qwen3_moe        0.044   0.164
+    modelopt_deepseek_v3      0.051   0.162
+    modelopt_mixtral          0.041   0.159
+    llmcompressor_qwen3_moe   0.065   0.164
+
+The bounds below are about twice those (A4 0.10, 0.14 for llmcompressor; A16 0.32). A wrong nibble order, a swapped gate/up, a missing
+weight_scale_2 or a misread router gives errors of order 1. The router logits must agree to bf16 rounding and
+choose the same experts."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fp4moe_under_test import REPO, import_fp4moe
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+pytest.importorskip("safetensors", reason="checkpoint reading needs the safetensors package")
+from safetensors.numpy import load_file  # noqa: E402
+
+fp4moe, ckpt = import_fp4moe("checkpoint")
+BF16 = ml_dtypes.bfloat16
+DATA = REPO / "tests" / "data" / "producers"
+CASES = {  # case: (architecture, shared expert, sharded, A4 bound, A16 bound)
+    "modelopt_qwen3_moe": ("Qwen3-MoE", False, False, 0.10, 0.32),
+    "modelopt_deepseek_v3": ("DeepSeek-V3", True, True, 0.10, 0.32),
+    "modelopt_mixtral": ("Mixtral", False, False, 0.10, 0.32),
+    "llmcompressor_qwen3_moe": ("Qwen3-MoE", False, False, 0.14, 0.32),
+}
+
+
+def rel_l2(y, ref):
+    return float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_producer_checkpoint_matches_producer(case):
+    d = DATA / case
+    need = [d / "versions.json", d / "reference.safetensors", d / "checkpoint" / "config.json"]
+    missing = [str(p.relative_to(REPO)) for p in need if not p.is_file()]
+    if missing:
+        pytest.skip(f"producer data missing: {', '.join(missing)} (made by tools/make_producer_checkpoints.py)")
+    arch, shared, sharded, bound_a4, bound_a16 = CASES[case]
+    info = json.loads((d / "versions.json").read_text())
+    ref = load_file(str(d / "reference.safetensors"))
+    assert (d / "checkpoint" / "model.safetensors.index.json").is_file() == sharded
+
+    layer = ckpt.load_moe_layer(d / "checkpoint", info["layer"])
+    assert layer.format == "nvfp4" and layer.mode == "a4"
+    assert arch.lower() in layer.architecture.lower()
+    assert (layer.shared_expert is not None) == shared
+    if shared:
+        assert layer.router.e_score_correction_bias is not None
+
+    x = ref["x"].astype(BF16)
+    logits = layer.router_logits(x)
+    np.testing.assert_allclose(logits, ref["router_logits"], rtol=0, atol=2e-3)
+    k = layer.router.top_k
+    if layer.router.e_score_correction_bias is None:  # plain top-k routers: the same experts chosen
+        pick = lambda a: np.sort(np.argsort(-a, axis=1, kind="stable")[:, :k], axis=1)  # noqa: E731
+        np.testing.assert_array_equal(pick(logits), pick(ref["router_logits"]))
+
+    y_ref = ref["y"]
+    assert np.abs(y_ref).max() > 0
+    for mode, bound in (("a4", bound_a4), ("a16", bound_a16)):
+        y = fp4moe.moe(x, layer.weights, routing_logits=logits, num_threads=1,
+                       **layer.moe_kwargs(mode=mode)).astype(np.float32)
+        err = rel_l2(y, y_ref)
+        assert err < bound, f"{case} {mode}: relative L2 {err:.4f} against the producer's output (bound {bound})"
