@@ -168,7 +168,8 @@ MoePlan make_plan(const ProblemShape& shape) {
   // The warp-specialised wgmma tile (128 tokens x 256 weight rows, one block an SM) from kWsRows expected rows an
   // expert on experts of I >= kWsMinI, NVFP4 weights without LoRA (the cases measured: bench/NOTES.md, "A warp-
   // specialised wgmma tile"); below, its mostly empty 128-row tiles and 256-row tiles past N lose to Wgmma64.
-  const bool ws = s.format == WeightFormat::NVFP4 && !s.has_lora && avg_rows >= kWsRows && s.I >= kWsMinI;
+  const bool fp4 = s.format == WeightFormat::NVFP4;
+  const bool ws = fp4 && !s.has_lora && avg_rows >= kWsRows && s.I >= kWsMinI;
   auto choose = [&](bool wgmma) {
     GemmTile t = GemmTile::TokensAsA64;
     if (wgmma && ws) t = GemmTile::WgmmaWs128;
@@ -184,7 +185,6 @@ MoePlan make_plan(const ProblemShape& shape) {
   const GemmConfig& g = p.gemm;
   p.k1_pad = round_up(H, g.bk);
   p.k2_pad = round_up(I, g.bk);
-  const bool fp4 = s.format == WeightFormat::NVFP4;
   p.n1_tiles = ceil_div(p.n1, gemm_bn(g, fp4));
   p.n2_tiles = ceil_div(H, gemm_bn(g, fp4));
   // sum_e ceil(c_e / bm) <= ceil(rows / bm) + (number of non-empty experts) <= ceil(rows/bm) + min(E_loc, rows).
@@ -263,7 +263,7 @@ MoePlan make_plan(const ProblemShape& shape) {
   p.gemms_beside_lora_shrinks =
       p.entry_tiles && s.has_lora && p.gemm_config == static_cast<int>(GemmTile::SplitKDecode);
   const int64_t tile_info_tiles = std::max(p.max_m_tiles, m_tiles_of(g0));
-  p.gemm_smem = static_cast<size_t>(gemm_smem_bytes(g, s.format == WeightFormat::NVFP4));
+  p.gemm_smem = static_cast<size_t>(gemm_smem_bytes(g, fp4));
   if (p.max_m_tiles > 0x7fffffff || p.shared_m_tiles > 0x7fffffff)
     unsupported("T", "too many row tiles for one launch");
   if (p.n1_tiles > 65535 || p.n2_tiles > 65535 || p.shared_n1_tiles > 65535) unsupported("H", "too many column tiles");

@@ -13,15 +13,15 @@ namespace fp4moe::cuda_backend {
 // The host's A4 fusion flag (kernels.h gemm_a4_fusable) must name exactly the tiles whose kernel quantizes a
 // (weights_as_a_gemm_kernel with two row groups of 16 a warp: epilogue_a4.cuh), or a would reach GEMM2
 // unquantized or twice.
-template <GemmTile T, bool FP4 = true> constexpr bool a4_fusion_matches() {
+template <GemmTile T, bool FP4> constexpr bool a4_fusion_matches_in() {
   using C = TileOf<T, FP4>;
   constexpr int I = static_cast<int>(T);
   constexpr bool kernel_fuses = C::WEIGHTS_AS_A && C::BN == 32 * C::WARPS_N;
-  if constexpr (FP4) {
-    if (!a4_fusion_matches<T, false>()) return false;
-  }
   return gemm_a4_fusable(I, ActivationType::Swiglu, FP4) == kernel_fuses &&
          !gemm_a4_fusable(I, ActivationType::Silu, FP4);
+}
+template <GemmTile T> constexpr bool a4_fusion_matches() {  // in both weight formats
+  return a4_fusion_matches_in<T, true>() && a4_fusion_matches_in<T, false>();
 }
 static_assert(a4_fusion_matches<GemmTile::SplitKDecode>() && a4_fusion_matches<GemmTile::WeightsAsA32>() &&
                   a4_fusion_matches<GemmTile::TokensAsA64>() && a4_fusion_matches<GemmTile::Wgmma64>() &&
