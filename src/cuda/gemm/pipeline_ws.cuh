@@ -1,7 +1,7 @@
 // The stage ring of a warp-specialised tile (kernel_ws_wgmma.cuh): the producer warpgroup fills the stages, the
 // math warps only wait for a stage and hand it back. Stage s has a full barrier (each producer thread once its
-// cp.async copies of the stage landed and were fenced for the async proxy, plus the bulk copies' bytes) and an
-// empty barrier (one arrival a math warp once its wgmmas have read the stage). No __syncthreads in the loop.
+// cp.async copies of the stage landed, plus the bulk copies' bytes) and an empty barrier (one arrival a math warp
+// once its wgmmas have read the stage). No __syncthreads in the loop.
 #pragma once
 #include <cstdint>
 
@@ -48,27 +48,18 @@ template <class C> struct WsRing {
   }
 
   // The producer warpgroup: k-blocks [0, nkb) of one tile, each into the next stage once the math warps handed it
-  // back. A stage's cp.async copies are waited for one k-block later (the next stage's copies already issued), then
-  // fenced (wgmma reads them through the async proxy) and announced on the stage's full barrier.
+  // back; each thread's arrival on the stage's full barrier fires when its copies have landed (no wait here).
   template <class Rows> __device__ __forceinline__ void produce(const GemmProblem& g, const Rows& tr, int n0, int nkb) {
     TileLoader<C> ld(g, tr, n0, 0);
-    int s = 0, prev = 0;
+    int s = 0;
     uint32_t eph = 1;  // a fresh barrier's phase "before the first" counts as complete: the first round passes
     for (int j = 0; j < nkb; ++j) {
       dev::mbar_wait(empty0 + 8 * s, eph);
       ld.load_next(base + s * C::STAGE_BYTES, full0 + 8 * s);
-      dev::cp_async_commit();
-      if (j > 0) {
-        dev::cp_async_wait<1>();
-        dev::fence_proxy_async();
-        dev::mbar_arrive(full0 + 8 * prev);
-      }
-      prev = s;
+      dev::cp_async_mbar_arrive(full0 + 8 * s);
       if (++s == S) s = 0, eph ^= 1u;
     }
     dev::cp_async_wait<0>();
-    dev::fence_proxy_async();
-    if (nkb > 0) dev::mbar_arrive(full0 + 8 * prev);
   }
 
   // A math warp's place in the ring: the stage of its next k-block and the parity of that stage's full phase.
@@ -76,9 +67,12 @@ template <class C> struct WsRing {
     int s = 0;
     uint32_t ph = 0;
   };
-  // The shared-space address of the reader's next stage once its copies landed; advances the reader.
+  // The shared-space address of the reader's next stage once its copies landed; advances the reader. The token rows
+  // came by cp.async (the generic proxy) and wgmma reads them through the async proxy: the PTX memory model asks for
+  // the proxy fence after the barrier that orders them.
   __device__ __forceinline__ uint32_t wait_full(Reader& r) const {
     dev::mbar_wait(full0 + 8 * r.s, r.ph);
+    dev::fence_proxy_async();
     const uint32_t st = base + r.s * C::STAGE_BYTES;
     if (++r.s == S) r.s = 0, r.ph ^= 1u;
     return st;
