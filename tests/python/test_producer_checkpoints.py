@@ -83,3 +83,40 @@ def test_producer_checkpoint_matches_producer(case):
                        **layer.moe_kwargs(mode=mode)).astype(np.float32)
         err = rel_l2(y, y_ref)
         assert err < bound, f"{case} {mode}: relative L2 {err:.4f} against the producer's output (bound {bound})"
+
+
+class _DeviceCopy:
+    """What the stand-in torch below gives for torch.from_numpy(a).to(device): the array and where it went."""
+
+    def __init__(self, a, device=None):
+        self.array, self.device = a, device
+
+    def to(self, device):
+        return _DeviceCopy(self.array, device)
+
+
+def test_moe_kwargs_give_the_routing_bias_on_the_weights_device(monkeypatch):
+    """fp4moe.moe reads routing_bias on the weights' device: a layer loaded with device="cuda" must not hand it over
+    as a host array (the operator refuses it: "routing.bias: expected a tensor on cuda:0"). Checked without a GPU:
+    the layer's weights say cuda:1, torch is a stand-in that records the copy, then absent."""
+    import dataclasses
+    import sys
+    import types
+    d = DATA / "modelopt_deepseek_v3"
+    if not (d / "checkpoint" / "config.json").is_file():
+        pytest.skip("producer data missing")
+    layer = ckpt.load_moe_layer(d / "checkpoint", 1)
+    bias = np.asarray(layer.router.e_score_correction_bias, dtype=np.float32)
+    assert isinstance(layer.moe_kwargs()["routing_bias"], np.ndarray)  # on the host for host weights
+
+    on_gpu = dataclasses.replace(layer, weights=types.SimpleNamespace(_device=("cuda", 1), device="cuda:1"),
+                                 _router_fp32={})
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(from_numpy=_DeviceCopy))
+    got = on_gpu.moe_kwargs(mode="a16")["routing_bias"]
+    assert isinstance(got, _DeviceCopy) and got.device == "cuda:1"
+    np.testing.assert_array_equal(got.array, bias)
+    assert on_gpu.moe_kwargs(mode="a16")["routing_bias"] is got  # copied once
+
+    monkeypatch.setitem(sys.modules, "torch", None)  # no PyTorch: say so, naming the argument
+    with pytest.raises(fp4moe.Fp4MoeError, match="routing_bias"):
+        dataclasses.replace(on_gpu, _router_fp32={}).moe_kwargs(mode="a16")
