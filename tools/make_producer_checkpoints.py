@@ -81,8 +81,8 @@ def init_model(build):
     model, block, layer = build()
     model = model.to(torch.bfloat16).eval()
     model.config.architectures = [type(model).__name__]  # what from_pretrained would have set
-    with torch.no_grad():  # a random init that routes: the DeepSeek correction bias is zero by default
-        for name, p in model.named_parameters():
+    with torch.no_grad():  # a random init that routes: the DeepSeek correction bias (a buffer) is zero by default
+        for name, p in list(model.named_parameters()) + list(model.named_buffers()):
             if name.endswith("e_score_correction_bias"):
                 p.copy_(torch.randn_like(p.float()).to(p.dtype) * 0.05)
     return model, block, layer
