@@ -81,8 +81,8 @@ def init_model(build):
     model, block, layer = build()
     model = model.to(torch.bfloat16).eval()
     model.config.architectures = [type(model).__name__]  # what from_pretrained would have set
-    with torch.no_grad():  # a random init that routes: the DeepSeek correction bias is zero by default
-        for name, p in model.named_parameters():
+    with torch.no_grad():  # a random init that routes: the DeepSeek correction bias (a buffer) is zero by default
+        for name, p in list(model.named_parameters()) + list(model.named_buffers()):
             if name.endswith("e_score_correction_bias"):
                 p.copy_(torch.randn_like(p.float()).to(p.dtype) * 0.05)
     return model, block, layer
@@ -129,16 +129,17 @@ def get_module(model, name):
 
 # ---- ModelOpt ------------------------------------------------------------------------------------------------
 
-def modelopt_cpu_fake_quant():
+def modelopt_cpu_fake_quant(on_cuda: bool = False):
     """ModelOpt's NVFP4 fake quantization runs only as a CUDA/Triton kernel (tensor_quant's dynamic block op
     asserts a CUDA amax). On a CPU host, route that op through ModelOpt's own NVFP4QTensor quantize/dequantize,
     the code its HF export packs the weights with: per-tensor scale amax / (6 * 448), E4M3 block scales of 16
-    elements, E2M1 rounding. Calibration (amax collection) and the export itself run unchanged."""
+    elements, E2M1 rounding. Calibration (amax collection) and the export itself run unchanged. With on_cuda,
+    CUDA tensors take that route too (where the kernel cannot run); calling again sets on_cuda anew."""
     from modelopt.torch.quantization import tensor_quant
     from modelopt.torch.quantization.qtensor import NVFP4QTensor
 
     def op(inputs, block_size, amax, num_bits, exponent_bits, scale_num_bits, scale_exponent_bits):
-        if inputs.is_cuda:
+        if inputs.is_cuda and not op.on_cuda:
             return kernel(inputs, block_size, amax, num_bits, exponent_bits, scale_num_bits, scale_exponent_bits)
         assert (num_bits, exponent_bits, scale_num_bits, scale_exponent_bits) == (4, 2, 8, 4), "NVFP4 only"
         sf2 = amax.float().amax() / (6.0 * 448.0)
@@ -146,15 +147,21 @@ def modelopt_cpu_fake_quant():
         return q.dequantize(dtype=inputs.dtype, scale=sf, double_scale=sf2, block_sizes={-1: block_size})
 
     kernel = tensor_quant.dynamic_block_quantize_op
+    if hasattr(kernel, "on_cuda"):  # already routed
+        kernel.on_cuda = on_cuda
+        return
+    op.on_cuda = on_cuda
     tensor_quant.dynamic_block_quantize_op = op
 
 
-def modelopt_case(build, out_dir: Path, name: str, max_shard_size=None):
+def modelopt_quantized(build, device="cpu"):
+    """The case's model quantized by ModelOpt (NVFP4_DEFAULT_CFG, calibrated on `device`) and a copy prepared as
+    the export prepares it, on which the reference forward runs: (model, ref_model, block name, layer)."""
     import modelopt.torch.quantization as mtq
-    from modelopt.torch.export import export_hf_checkpoint
 
     model, block_name, layer = init_model(build)
-    batches = calib_batches()
+    model = model.to(device)
+    batches = [b.to(device) for b in calib_batches()]
 
     def forward_loop(m):
         with torch.no_grad():
@@ -173,6 +180,13 @@ def modelopt_case(build, out_dir: Path, name: str, max_shard_size=None):
         requantize_resmooth_fused_llm_layers(ref_model)
     except ImportError:
         pass
+    return model, ref_model, block_name, layer
+
+
+def modelopt_case(build, out_dir: Path, name: str, max_shard_size=None):
+    from modelopt.torch.export import export_hf_checkpoint
+
+    model, ref_model, block_name, layer = modelopt_quantized(build)
     x = reference_input(model.config.hidden_size)
     y, logits = block_forward(get_module(ref_model, block_name), x)
     if out_dir.exists():

@@ -145,29 +145,30 @@ def as_float(value, name: str) -> float:
         raise error(name, f"expected a number, got {type(value).__name__} {value!r} ({e})") from None
 
 
+def on_device(arr: np.ndarray, name: str, device: tuple[str, int], what: str = "a host array"):
+    """A host float32 array where the operator reads it: itself on the CPU, a PyTorch copy on cuda:N (fp4moe
+    allocates no device memory for its arguments; without PyTorch the caller passes a CUDA tensor)."""
+    if device[0] == "cpu":
+        return arr
+    t = _torch()
+    if t is None:
+        raise error(name, f"{what} needs PyTorch to become a CUDA tensor; pass a float32 CUDA tensor of shape "
+                          f"{list(arr.shape)}")
+    return t.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).to(f"cuda:{device[1]}")
+
+
 def per_expert(value, name: str, num_experts: int, device: tuple[str, int]):
     """Per-expert f32 [E_loc] parameters: a scalar is broadcast, a list becomes an array, a tensor passes."""
     if value is None:
         return None
     if isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_)):
-        if device[0] == "cpu":
-            return np.full((num_experts,), float(value), dtype=np.float32)
-        t = _torch()
-        if t is None:
-            raise error(name, "a scalar needs PyTorch to make a CUDA tensor; pass a float32 CUDA tensor "
-                              f"of shape [{num_experts}]")
-        return t.full((num_experts,), float(value), dtype=t.float32, device=f"cuda:{device[1]}")
+        return on_device(np.full((num_experts,), float(value), dtype=np.float32), name, device, "a scalar")
     if isinstance(value, (list, tuple)):
         try:
             arr = np.asarray(value, dtype=np.float32)
         except (TypeError, ValueError, OverflowError) as e:
             raise error(name, f"expected a list of {num_experts} numbers, got {value!r} ({e})") from None
-        if device[0] == "cpu":
-            return arr
-        t = _torch()
-        if t is None:
-            raise error(name, f"expected a float32 CUDA tensor of shape [{num_experts}], got a list")
-        return t.from_numpy(arr).to(f"cuda:{device[1]}")
+        return on_device(arr, name, device, "a list")
     return value
 
 

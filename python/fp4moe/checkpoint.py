@@ -28,6 +28,7 @@ from ._ckpt_plan import _activation_of, _model_type, _plan_layer, moe_layers
 from ._ckpt_read import _check_layer, _Progress, _read_bf16, _read_nvfp4, _tp_slices, _window
 from ._enums import ActivationType, RoutingMethod
 from ._errors import error
+from ._tensors import on_device
 
 __all__ = ["Checkpoint", "MoeLayer", "Router", "load_moe_layer", "read_moe_layer", "inspect_checkpoint",
            "format_inspect"]
@@ -74,7 +75,8 @@ class MoeLayer:
     bytes_read: int
     seconds: float
     mode_reason: Optional[str] = None  # why the layer runs A16 (None in A4): e.g. the expert missing an input scale
-    _router_fp32: dict = field(default_factory=dict, repr=False, compare=False)  # device -> (weight, bias)
+    # device -> the router's (weight, bias) in fp32; ("routing_bias", *device) -> the routing bias there
+    _router_fp32: dict = field(default_factory=dict, repr=False, compare=False)
 
     def router_logits(self, hidden):
         """The router logits [T, E] float32 of hidden states [T, H], as the model's router computes them:
@@ -101,6 +103,16 @@ class MoeLayer:
         out = np.asarray(hidden).astype(np.float32) @ wt
         return out if b is None else out + b
 
+    def _routing_bias(self):
+        """e_score_correction_bias as float32 on the weights' device, where the operator reads it (a torch CUDA
+        tensor for a layer loaded on a GPU), copied there once."""
+        dev = tuple(getattr(self.weights, "_device", ("cpu", 0)))
+        key = ("routing_bias",) + dev
+        if key not in self._router_fp32:
+            bias = np.asarray(self.router.e_score_correction_bias, dtype=np.float32)
+            self._router_fp32[key] = on_device(bias, "routing_bias", dev, "the layer's routing bias")
+        return self._router_fp32[key]
+
     def moe_kwargs(self, mode: Optional[str] = None) -> dict:
         """Keyword arguments of fp4moe.moe for this layer, besides x, weights and the routing logits. mode: the
         checkpoint's (None) or "a16" (the default on Hopper; input scales then unused)."""
@@ -110,7 +122,7 @@ class MoeLayer:
               "activation": self.activation, "num_experts_total": self.num_experts,
               "local_expert_offset": self.local_expert_offset}
         if r.e_score_correction_bias is not None:
-            kw["routing_bias"] = np.asarray(r.e_score_correction_bias, dtype=np.float32)
+            kw["routing_bias"] = self._routing_bias()
         for k in ("gemm1_alpha", "gemm1_beta", "gemm1_clamp_limit"):
             if getattr(self, k) is not None:
                 kw[k] = getattr(self, k)

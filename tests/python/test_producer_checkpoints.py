@@ -9,11 +9,11 @@ rounded to bf16. fp4moe's A4 mode quantizes the activations with one input scale
 experts, as vLLM does), which moves the E4M3 block scales and so the FP4 rounding of some blocks; its A16 mode does
 not quantize the activations at all. llmcompressor (scheme NVFP4) likewise fake-quantizes weights and inputs with
 per-linear global scales. Measured relative L2 errors ||y - y_ref|| / ||y_ref|| (ModelOpt 0.47.0, llmcompressor
-0.14.0.1 with compressed-tensors 0.19.0, transformers 5.17.0, torch 2.14.0):
+0.14.0.1 with compressed-tensors 0.19.0, transformers 5.17.0, torch 2.14.0; the DeepSeek-V3 case with torch 2.11.0):
 
     case                      A4      A16
     modelopt_qwen3_moe        0.044   0.164
-    modelopt_deepseek_v3      0.051   0.162
+    modelopt_deepseek_v3      0.062   0.154
     modelopt_mixtral          0.041   0.159
     llmcompressor_qwen3_moe   0.065   0.164
 
@@ -65,8 +65,8 @@ def test_producer_checkpoint_matches_producer(case):
     assert layer.format == "nvfp4" and layer.mode == "a4"
     assert arch.lower() in layer.architecture.lower()
     assert (layer.shared_expert is not None) == shared
-    if shared:
-        assert layer.router.e_score_correction_bias is not None
+    if shared:  # DeepSeek-V3: a selection bias that changes the experts chosen (checked below)
+        assert np.abs(np.asarray(layer.router.e_score_correction_bias, dtype=np.float32)).max() > 0
 
     x = ref["x"].astype(BF16)
     logits = layer.router_logits(x)
@@ -83,3 +83,44 @@ def test_producer_checkpoint_matches_producer(case):
                        **layer.moe_kwargs(mode=mode)).astype(np.float32)
         err = rel_l2(y, y_ref)
         assert err < bound, f"{case} {mode}: relative L2 {err:.4f} against the producer's output (bound {bound})"
+    if shared:  # the file exercises the routing bias: without it the output is far off (1.1)
+        kw = {**layer.moe_kwargs(mode="a16"), "routing_bias": np.zeros(layer.num_experts, np.float32)}
+        y = fp4moe.moe(x, layer.weights, routing_logits=logits, num_threads=1, **kw).astype(np.float32)
+        assert rel_l2(y, y_ref) > 2 * bound_a16
+
+
+class _DeviceCopy:
+    """What the stand-in torch below gives for torch.from_numpy(a).to(device): the array and where it went."""
+
+    def __init__(self, a, device=None):
+        self.array, self.device = a, device
+
+    def to(self, device):
+        return _DeviceCopy(self.array, device)
+
+
+def test_moe_kwargs_give_the_routing_bias_on_the_weights_device(monkeypatch):
+    """fp4moe.moe reads routing_bias on the weights' device: a layer loaded with device="cuda" must not hand it over
+    as a host array (the operator refuses it: "routing.bias: expected a tensor on cuda:0"). Checked without a GPU:
+    the layer's weights say cuda:1, torch is a stand-in that records the copy, then absent."""
+    import dataclasses
+    import sys
+    import types
+    d = DATA / "modelopt_deepseek_v3"
+    if not (d / "checkpoint" / "config.json").is_file():
+        pytest.skip("producer data missing")
+    layer = ckpt.load_moe_layer(d / "checkpoint", 1)
+    bias = np.asarray(layer.router.e_score_correction_bias, dtype=np.float32)
+    assert isinstance(layer.moe_kwargs()["routing_bias"], np.ndarray)  # on the host for host weights
+
+    on_gpu = dataclasses.replace(layer, weights=types.SimpleNamespace(_device=("cuda", 1), device="cuda:1"),
+                                 _router_fp32={})
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(from_numpy=_DeviceCopy))
+    got = on_gpu.moe_kwargs(mode="a16")["routing_bias"]
+    assert isinstance(got, _DeviceCopy) and got.device == "cuda:1"
+    np.testing.assert_array_equal(got.array, bias)
+    assert on_gpu.moe_kwargs(mode="a16")["routing_bias"] is got  # copied once
+
+    monkeypatch.setitem(sys.modules, "torch", None)  # no PyTorch: say so, naming the argument
+    with pytest.raises(fp4moe.Fp4MoeError, match="routing_bias"):
+        dataclasses.replace(on_gpu, _router_fp32={}).moe_kwargs(mode="a16")
