@@ -42,6 +42,10 @@ struct CheckpointLayer {
   OwnedWeights routed;         // this rank's experts as read (linear scales, gate rows first)
   bool has_shared = false;
   OwnedWeights shared;         // E = 1
+  // The shared expert's sigmoid gate (Qwen2-MoE, Qwen3-Next `shared_expert_gate.weight`), bf16 [H], converted from
+  // the file's dtype (RNE); empty when the layer has none. Pass it as MoeArgs::shared_expert_gate (a host vector:
+  // copy it to the device for the CUDA backend).
+  std::vector<uint16_t> shared_expert_gate;
   MoeWeights weights, shared_expert;  // prepared by load_moe_layer (read_moe_layer leaves them empty)
   CheckpointRouter router;
   ActivationType activation = ActivationType::Swiglu;

@@ -145,6 +145,9 @@ struct MoeArgs {
   const MoeWeights* shared_expert = nullptr;
   float shared_alpha = 1.f, shared_beta = 0.f, shared_clamp_limit = 0.f;  // clamp 0 = none
   bool shared_params_given = false;
+  // Sigmoid gate of the shared expert (Qwen2-MoE, Qwen3-Next): y += sigmoid(x_t . g) * shared(x_t) instead of weight 1.
+  // bf16 [H] or [1, H] (the checkpoint's shared_expert_gate.weight), on the weights' device; needs shared_expert.
+  TensorView shared_expert_gate;
   // Multi-LoRA.
   const AdapterRegistry* adapters = nullptr;
   TensorView adapter_ids;         // i32 [T], -1 = base

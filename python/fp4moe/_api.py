@@ -396,7 +396,8 @@ def moe(x, weights: MoeWeights, *, routing_logits=None, routing_bias=None, topk_
         activation=None, gemm1_alpha=None, gemm1_beta=None, gemm1_clamp_limit=None, num_experts_total: int = 0,
         local_expert_offset: int = 0, mode="a16", fc1_input_scale: float = 0.0, fc2_input_scale: float = 0.0,
         per_token_x_scale: bool = False, shared_expert: MoeWeights | None = None, shared_alpha=None,
-        shared_beta=None, shared_clamp_limit=None, adapters: AdapterRegistry | None = None, adapter_ids=None,
+        shared_beta=None, shared_clamp_limit=None, shared_expert_gate=None, adapters: AdapterRegistry | None = None,
+        adapter_ids=None,
         gate_up_lora_delta=None, activation_out=None, out=None, workspace=None, stream=None,
         precision="fp32", num_threads: int = 0, gemm_tile="auto", workspace_budget: int = 0, _runner=None):
     """The fused MoE layer (SPEC §3): y [T, H] bfloat16 = Σ_j w_tj · expert_e(x_t) (+ shared expert).
@@ -408,6 +409,8 @@ def moe(x, weights: MoeWeights, *, routing_logits=None, routing_bias=None, topk_
     backend's GEMM tiles (a GemmTile, its name or value: SplitKDecode, WeightsAsA16, WeightsAsA32,
     TokensAsA64, Wgmma64, WgmmaWs128; "auto", the default: the plan's choice) for benchmarking; every tile gives
     the same bits (SPEC §4), so it never changes the output.
+    shared_expert_gate: the shared expert's sigmoid gate g, bfloat16 [H] or [1, H] (Qwen2-MoE / Qwen3-Next
+    `mlp.shared_expert_gate.weight`): the shared expert's output is scaled by sigmoid(x_t . g) instead of 1.
     workspace_budget: bytes the token-proportional workspace buffers may take (0, the default: 4 GiB); a
     larger batch runs in equal chunks that fit (same bits). A given `workspace` must be sized by
     workspace_size with the same budget.
@@ -468,6 +471,7 @@ def moe(x, weights: MoeWeights, *, routing_logits=None, routing_bias=None, topk_
         "gemm1_beta": as_arg(per_expert(gemm1_beta, "gemm1_beta", E_loc, dev), "gemm1_beta"),
         "gemm1_clamp_limit": as_arg(per_expert(gemm1_clamp_limit, "gemm1_clamp_limit", E_loc, dev),
                                     "gemm1_clamp_limit"),
+        "shared_expert_gate": as_arg(shared_expert_gate, "shared_expert_gate"),
         "adapter_ids": as_arg(to_int32(adapter_ids, "adapter_ids"), "adapter_ids"),
         "gate_up_lora_delta": as_arg(gate_up_lora_delta, "gate_up_lora_delta"),
         "activation_out": as_arg(activation_out, "activation_out"),

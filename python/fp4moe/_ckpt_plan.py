@@ -47,11 +47,13 @@ class _LayerPlan:
     router_weight: Optional[_TensorRef]
     router_bias: Optional[_TensorRef]
     correction_bias: Optional[_TensorRef]
+    shared_gate: Optional[_TensorRef] = None  # Qwen2-MoE / Qwen3-Next: sigmoid(x . g) scales the shared expert
 
     @property
     def nbytes(self) -> int:
         return self.routed.nbytes + (self.shared.nbytes if self.shared else 0) + sum(
-            t.nbytes for t in (self.router_weight, self.router_bias, self.correction_bias) if t is not None)
+            t.nbytes for t in (self.router_weight, self.router_bias, self.correction_bias, self.shared_gate)
+            if t is not None)
 
 
 def _model_type(ck: Checkpoint) -> str:
@@ -194,8 +196,9 @@ def _plan_layer(ck: Checkpoint, layer: int, gated: bool, fused_layout: Optional[
         routed = _plan_experts(ck, base, ids, gated, f"layer {layer} experts")
         arch = {"mixtral": "Mixtral"}.get(mt, "") or ("Mixtral" if block == "block_sparse_moe" else "")
         if not arch:
-            arch = {"qwen3_moe": "Qwen3-MoE", "deepseek_v3": "DeepSeek-V3", "kimi_k2": "Kimi-K2",
-                    "gpt_oss": "GPT-OSS"}.get(mt, mt or "per-expert MoE")
+            arch = {"qwen3_moe": "Qwen3-MoE", "qwen2_moe": "Qwen2-MoE", "qwen3_next": "Qwen3-Next",
+                    "deepseek_v3": "DeepSeek-V3", "kimi_k2": "Kimi-K2", "gpt_oss": "GPT-OSS"}.get(
+                        mt, mt or "per-expert MoE")
     elif ck.has(base + "gate_up_proj") or ck.has(base + "gate_up_proj_blocks"):
         layout = fused_layout or ("gpt_oss_interleaved" if mt == "gpt_oss" else "")
         if not layout and ck.has(base + "gate_up_proj"):
@@ -210,15 +213,18 @@ def _plan_layer(ck: Checkpoint, layer: int, gated: bool, fused_layout: Optional[
     for sname in ("shared_experts.", "shared_expert."):
         sb = mb + sname
         if ck.has(sb + "down_proj.weight") or ck.has(sb + "down_proj.weight_packed"):
-            if ck.has(mb + "shared_expert_gate.weight"):
-                raise _fail(f"{ck.file_of(mb + 'shared_expert_gate.weight')}: tensor '{mb}shared_expert_gate.weight':"
-                            f" a sigmoid-gated shared expert is not fp4moe's weight-1 shared expert",
-                            ErrorCode.Unsupported)
             shared = _plan_experts(ck, sb, [], gated, f"layer {layer} shared expert")
             if shared.H != routed.H:
                 raise _fail(f"{ck.path}: layer {layer}: the shared expert's H={shared.H} differs from the experts' "
                             f"H={routed.H}")
     H, E = routed.H, routed.E
+    sg = None
+    gname = mb + "shared_expert_gate.weight"
+    if ck.has(gname):
+        if shared is None:
+            raise _fail(f"{ck.file_of(gname)}: tensor '{gname}': a shared-expert gate without a shared expert "
+                        f"('{mb}shared_expert.down_proj.weight')")
+        sg = ck.tensor(gname, _FLOAT_DTYPES, (1, H), " (the shared expert's gate [1, H])")
     rw = rb = cb = None
     for rname in (mb + "gate.weight", mb + "router.weight"):
         if ck.has(rname):
@@ -227,7 +233,7 @@ def _plan_layer(ck: Checkpoint, layer: int, gated: bool, fused_layout: Optional[
             rb = ck.tensor(bname, _FLOAT_DTYPES, (E,)) if ck.has(bname) else None
     if ck.has(mb + "gate.e_score_correction_bias"):
         cb = ck.tensor(mb + "gate.e_score_correction_bias", _FLOAT_DTYPES, (E,))
-    return _LayerPlan(layer, prefix, block, arch, routed, shared, rw, rb, cb)
+    return _LayerPlan(layer, prefix, block, arch, routed, shared, rw, rb, cb, sg)
 
 
 # ---- configuration: routing and activation ----------------------------------------------------------------
@@ -241,7 +247,8 @@ _DEEPSEEK_STYLE = {
     "kimi_k25": {"n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5},
     "glm4_moe": {"n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0},
 }
-_SOFTMAX_TOPK = ("qwen3_moe", "qwen2_moe", "qwen3_next")  # softmax, top-k, / sum when norm_topk_prob (default off)
+_SOFTMAX_TOPK = ("qwen3_moe", "qwen2_moe", "qwen3_next")  # softmax, top-k, / sum when norm_topk_prob
+_NORM_TOPK_DEFAULT = {"qwen3_next": True}                  # transformers' default, else False
 _RENORMALIZE = ("mixtral", "gpt_oss")                      # top-k of the logits, softmax over the k
 
 
@@ -260,7 +267,8 @@ def _routing_of(ck: Checkpoint, layer: int, E: int) -> dict:
     out = {"routing_method": None, "top_k": c.get(kkey), "num_experts": E, "n_group": 1, "topk_group": 1,
            "routed_scaling_factor": 1.0}
     if mt in _SOFTMAX_TOPK:
-        out["routing_method"] = RoutingMethod.RenormalizeNaive if c.get("norm_topk_prob", False) else \
+        out["routing_method"] = RoutingMethod.RenormalizeNaive if \
+            c.get("norm_topk_prob", _NORM_TOPK_DEFAULT.get(mt, False)) else \
             RoutingMethod.Default
         ekey = "num_experts"
     elif mt in _RENORMALIZE:

@@ -25,7 +25,7 @@ import numpy as np
 
 from ._ckpt_files import ARG, Checkpoint, _Shard  # noqa: F401  (_Shard: for tests that rewrite shards)
 from ._ckpt_plan import _activation_of, _model_type, _plan_layer, moe_layers
-from ._ckpt_read import _check_layer, _Progress, _read_bf16, _read_nvfp4, _tp_slices, _window
+from ._ckpt_read import _check_layer, _Progress, _read_bf16, _read_nvfp4, _to_bf16, _tp_slices, _window
 from ._enums import ActivationType, RoutingMethod
 from ._errors import error
 from ._tensors import on_device
@@ -75,7 +75,10 @@ class MoeLayer:
     bytes_read: int
     seconds: float
     mode_reason: Optional[str] = None  # why the layer runs A16 (None in A4): e.g. the expert missing an input scale
-    # device -> the router's (weight, bias) in fp32; ("routing_bias", *device) -> the routing bias there
+    # Qwen2-MoE / Qwen3-Next: the shared expert's sigmoid gate, bfloat16 [1, H] (host), or None.
+    shared_expert_gate: Optional[np.ndarray] = None
+    # device -> the router's (weight, bias) in fp32; ("routing_bias", *device) -> the routing bias there;
+    # "gate:<device>" -> the shared expert's gate there
     _router_fp32: dict = field(default_factory=dict, repr=False, compare=False)
 
     def router_logits(self, hidden):
@@ -113,6 +116,17 @@ class MoeLayer:
             self._router_fp32[key] = on_device(bias, "routing_bias", dev, "the layer's routing bias")
         return self._router_fp32[key]
 
+    def _gate_on(self, device: str):
+        """The shared expert's gate on the weights' device: the host array, or (CUDA) a torch tensor made once."""
+        if device == "cpu":
+            return self.shared_expert_gate
+        key = "gate:" + device
+        if key not in self._router_fp32:
+            import torch
+            bits = np.ascontiguousarray(self.shared_expert_gate).view(np.int16)
+            self._router_fp32[key] = torch.from_numpy(bits).view(torch.bfloat16).to(device)
+        return self._router_fp32[key]
+
     def moe_kwargs(self, mode: Optional[str] = None) -> dict:
         """Keyword arguments of fp4moe.moe for this layer, besides x, weights and the routing logits. mode: the
         checkpoint's (None) or "a16" (the default on Hopper; input scales then unused)."""
@@ -128,6 +142,8 @@ class MoeLayer:
                 kw[k] = getattr(self, k)
         if self.shared_expert is not None:
             kw["shared_expert"] = self.shared_expert
+            if self.shared_expert_gate is not None:
+                kw["shared_expert_gate"] = self._gate_on(self.shared_expert.device)
             if self.gemm1_alpha is not None or self.gemm1_beta is not None or self.gemm1_clamp_limit is not None:
                 kw.update(shared_alpha=self.gemm1_alpha, shared_beta=self.gemm1_beta,
                           shared_clamp_limit=self.gemm1_clamp_limit)
@@ -145,7 +161,8 @@ def read_moe_layer(checkpoint, layer: int, *, tp=None, ep=None, activation=None,
     """One MoE layer of a checkpoint as host NumPy arrays, before preparation (see load_moe_layer).
 
     Returns {"format": "nvfp4" | "bf16", "routed": prepare_weights (or prepare_bf16_weights) keyword
-    arguments, "shared": the same for the shared expert or None, "router": Router, "activation": (type,
+    arguments, "shared": the same for the shared expert or None, "shared_expert_gate": its sigmoid gate (bfloat16
+    [1, H], Qwen2-MoE / Qwen3-Next) or None, "router": Router, "activation": (type,
     alpha, beta, clamp_limit), "mode", "mode_reason" (why A16, None in A4), "fc1_input_scale",
     "fc2_input_scale", "architecture", "quantization", "num_experts", "local_expert_offset",
     "num_local_experts", "bytes_read", "seconds"}."""
@@ -169,15 +186,19 @@ def read_moe_layer(checkpoint, layer: int, *, tp=None, ep=None, activation=None,
             routed = _read_nvfp4(R, local, t0, ts, prog)
         else:
             routed = _read_bf16(R, local, e0, ne, t0, ts, rank0, prog)
-        shared = None
+        shared = gate = None
         if sh_t is not None:
             S = plan.shared
             shared = (_read_nvfp4(S, S.experts, sh_t[0], sh_t[1], prog) if S.fmt == "nvfp4"
                       else _read_bf16(S, S.experts, 0, 1, sh_t[0], sh_t[1], rank0, prog))
+            if plan.shared_gate is not None:  # whole on every TP rank: x . g runs over the full H
+                gate = _to_bf16(plan.shared_gate.read())
+                total += plan.shared_gate.nbytes
         router = Router(plan.router_weight.read() if plan.router_weight else None,
                         plan.router_bias.read() if plan.router_bias else None,
                         plan.correction_bias.read() if plan.correction_bias else None, **routing)
-        return {"format": R.fmt, "routed": routed, "shared": shared, "router": router, "activation": act,
+        return {"format": R.fmt, "routed": routed, "shared": shared, "shared_expert_gate": gate, "router": router,
+                "activation": act,
                 "mode": c.mode, "mode_reason": c.mode_reason, "fc1_input_scale": c.fc1_input_scale,
                 "fc2_input_scale": c.fc2_input_scale, "architecture": plan.architecture,
                 "quantization": ck.quant.describe(), "num_experts": R.E, "local_expert_offset": e0,
@@ -222,7 +243,7 @@ def load_moe_layer(checkpoint, layer: int, *, device="cpu", tp=None, ep=None, ac
     return MoeLayer(int(layer), d["architecture"], d["format"], d["quantization"], weights, shared, d["router"],
                     act, alpha, beta, clamp, d["mode"], d["fc1_input_scale"], d["fc2_input_scale"],
                     d["num_experts"], d["local_expert_offset"], d["num_local_experts"], d["bytes_read"],
-                    d["seconds"], d["mode_reason"])
+                    d["seconds"], d["mode_reason"], d["shared_expert_gate"])
 
 
 # ---- inspect ------------------------------------------------------------------------------------------------
@@ -259,7 +280,8 @@ def inspect_checkpoint(checkpoint, *, activation=None, fused_layout=None) -> dic
 def _describe(p) -> dict:
     R = p.routed
     return dict(architecture=p.architecture, format=R.fmt, experts=R.E, H=R.H, I=R.I, bytes=p.nbytes,
-                shared=None if p.shared is None else f"{p.shared.fmt} I={p.shared.I}",
+                shared=None if p.shared is None else f"{p.shared.fmt} I={p.shared.I}" + (
+                    ", sigmoid-gated" if p.shared_gate is not None else ""),
                 router=p.router_weight is not None, correction_bias=p.correction_bias is not None)
 
 

@@ -1,18 +1,23 @@
-"""A drop-in for the sparse MoE blocks of HuggingFace transformers 5 (Qwen3-MoE, Mixtral), with PEFT LoRA.
+"""A drop-in for the sparse MoE blocks of HuggingFace transformers 5 (Qwen3-MoE, Mixtral, Qwen2-MoE, Qwen3-Next),
+with PEFT LoRA.
 
     import fp4moe.hf
     swap = fp4moe.hf.swap_moe_blocks(model, quantize=True)      # NVFP4 experts, fused op per MoE layer
     logits = model(input_ids).logits
     swap.restore()                                              # the original blocks back
 
-What is replaced. Every module whose class is `Qwen3MoeSparseMoeBlock` or `MixtralSparseMoeBlock` (or a subclass,
-or any class named in `block_classes`) with a router `gate` and fused experts `experts.gate_up_proj` [E, 2I, H]
-(gate rows first) and `experts.down_proj` [E, H, I]. transformers 5 routing, mapped onto RoutingMethod:
+What is replaced. Every module whose class is one of SUPPORTED_BLOCKS (or a subclass, or any class named in
+`block_classes`) with a router `gate` and fused experts `experts.gate_up_proj` [E, 2I, H] (gate rows first) and
+`experts.down_proj` [E, H, I]. transformers 5 routing, mapped onto RoutingMethod:
 
-- Qwen3-MoE (`Qwen3MoeTopKRouter`): softmax over E, top-k, then / sum when `norm_topk_prob`
+- Qwen3-MoE, Qwen2-MoE, Qwen3-Next: softmax over E, top-k, then / sum when `norm_topk_prob`
   -> RenormalizeNaive (4); without norm_topk_prob -> Default (0).
 - Mixtral (`MixtralTopKRouter`): softmax, top-k, / sum, which equals top-k of the logits then softmax over the
   k chosen -> Renormalize (1).
+
+Qwen2-MoE and Qwen3-Next blocks also hold a `shared_expert` (gate_proj, up_proj, down_proj) scaled by
+`sigmoid(shared_expert_gate(x))`: it runs inside the same op (fp4moe's shared expert with `shared_expert_gate`,
+SPEC §3.3), quantized like the routed experts or read from the checkpoint.
 
 The new block (Fp4MoeSparseMoeBlock) keeps the original router module and calls it, so transformers' router-logit
 recording (`output_router_logits`) still sees it; routing itself runs inside the fused op from those logits
@@ -56,7 +61,10 @@ from ._errors import error
 __all__ = ["Fp4MoeSparseMoeBlock", "MoeSwap", "swap_moe_blocks", "set_active_adapter", "set_adapter_ids",
            "routing_method_of", "activation_of", "SUPPORTED_BLOCKS"]
 
-SUPPORTED_BLOCKS = ("Qwen3MoeSparseMoeBlock", "MixtralSparseMoeBlock")
+SUPPORTED_BLOCKS = ("Qwen3MoeSparseMoeBlock", "MixtralSparseMoeBlock", "Qwen2MoeSparseMoeBlock",
+                    "Qwen3NextSparseMoeBlock")
+# transformers' norm_topk_prob default where the block does not record it.
+_NORM_TOPK_DEFAULT = {"Qwen3Moe": True, "Qwen2Moe": False, "Qwen3Next": True}
 
 
 def _is_param_wrapper(m) -> bool:
@@ -83,9 +91,10 @@ def routing_method_of(block) -> RoutingMethod:
     gate_name = type(getattr(block, "gate", None)).__name__
     if name.startswith("Mixtral") or gate_name.startswith("Mixtral"):
         return RoutingMethod.Renormalize
-    if name.startswith("Qwen3Moe") or gate_name.startswith("Qwen3Moe"):
-        norm = getattr(block.gate, "norm_topk_prob", getattr(block, "norm_topk_prob", True))
-        return RoutingMethod.RenormalizeNaive if norm else RoutingMethod.Default
+    for family, default in _NORM_TOPK_DEFAULT.items():
+        if name.startswith(family) or gate_name.startswith(family):
+            norm = getattr(block.gate, "norm_topk_prob", getattr(block, "norm_topk_prob", default))
+            return RoutingMethod.RenormalizeNaive if norm else RoutingMethod.Default
     raise error("block", f"no known routing for {name} (router {gate_name}); pass routing_method explicitly")
 
 
@@ -108,12 +117,15 @@ class Fp4MoeSparseMoeBlock(nn.Module):
     def __init__(self, gate: nn.Module, weights: "_api.MoeWeights", *, top_k: int, routing_method,
                  num_experts: int, activation, adapters: Optional["_api.AdapterRegistry"] = None,
                  adapter_slots: Optional[dict] = None, active_adapter: Optional[str] = None, routing: str = "fused",
-                 source: str = ""):
+                 source: str = "", shared_expert: Optional["_api.MoeWeights"] = None,
+                 shared_expert_gate: Optional[torch.Tensor] = None):
         super().__init__()
         if routing not in ("fused", "hf"):
             raise error("routing", f"expected 'fused' or 'hf', got {routing!r}")
         self.gate = gate
         self.weights = weights
+        self.shared_expert = shared_expert            # prepared, E = 1, or None
+        self.shared_expert_gate = shared_expert_gate  # bf16 [1, H] on the weights' device, or None
         self.adapters = adapters
         self.adapter_slots = dict(adapter_slots or {})
         self.top_k = int(top_k)
@@ -145,7 +157,8 @@ class Fp4MoeSparseMoeBlock(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
         h = hidden_states.reshape(-1, shape[-1])
-        router_logits, router_weights, router_ids = self.gate(h)
+        routed = self.gate(h)  # transformers 5 routers give (logits, weights, ids); a plain Linear gives logits
+        router_logits, router_weights, router_ids = routed if isinstance(routed, tuple) else (routed, None, None)
         x = h if h.dtype == torch.bfloat16 else h.to(torch.bfloat16)
         routing = {}
         if self.routing == "fused":
@@ -154,6 +167,8 @@ class Fp4MoeSparseMoeBlock(nn.Module):
                 logits = logits.float()
             routing["routing_logits"] = logits
         else:
+            if router_ids is None:
+                raise error("routing", f"{self.source}: the router gives logits only; use routing='fused'")
             routing["topk_ids"] = router_ids.to(torch.int32)
             routing["topk_weights"] = router_weights.float()
         ids = None
@@ -168,7 +183,8 @@ class Fp4MoeSparseMoeBlock(nn.Module):
                 adapters = self.adapters
         y = _ops.moe(x, self.weights, top_k=self.top_k, routing_method=self.routing_method,
                      activation=self.activation, num_experts_total=self.num_experts, adapters=adapters,
-                     adapter_ids=ids, workspace=self.workspace, **routing)
+                     adapter_ids=ids, workspace=self.workspace, shared_expert=self.shared_expert,
+                     shared_expert_gate=self.shared_expert_gate, **routing)
         if y.dtype != hidden_states.dtype:
             y = y.to(hidden_states.dtype)
         return y.reshape(shape)
@@ -206,6 +222,43 @@ def _expert_tensors(experts):
     return gu, dn
 
 
+def _shared_tensors(block, name: str, act):
+    """(gate_up [1, 2Is, H], down [1, H, Is], gate [1, H] or None) of a block's shared expert (Qwen2-MoE,
+    Qwen3-Next: shared_expert.{gate,up,down}_proj and shared_expert_gate), or None when the block has none."""
+    se = getattr(block, "shared_expert", None)
+    if se is None:
+        return None
+    for part in ("gate_proj", "up_proj", "down_proj"):
+        lin = getattr(se, part, None)
+        if lin is None or not hasattr(lin, "weight"):
+            raise error("shared_expert", f"{name}: expected shared_expert.gate_proj, up_proj and down_proj linears")
+        if hasattr(lin, "lora_A"):
+            raise error("adapters", f"{name}: LoRA on shared_expert.{part} is not carried over by swap_moe_blocks")
+        if getattr(lin, "bias", None) is not None:
+            raise error("shared_expert", f"{name}: shared_expert.{part} has a bias (fp4moe's shared expert has none)")
+    if activation_of(se.act_fn) != act:
+        raise error("shared_expert", f"{name}: the shared expert's activation differs from the routed experts'")
+    gu = torch.cat([se.gate_proj.weight.detach(), se.up_proj.weight.detach()], 0)[None]
+    dn = se.down_proj.weight.detach()[None]
+    sg = getattr(block, "shared_expert_gate", None)
+    gate = None
+    if sg is not None:
+        if hasattr(sg, "lora_A") or getattr(sg, "bias", None) is not None:
+            raise error("shared_expert_gate", f"{name}: the gate must be a plain Linear(H, 1) without bias or LoRA "
+                                              f"(fp4moe computes sigmoid(x . g))")
+        gate = sg.weight.detach()
+        if tuple(gate.shape) != (1, gu.shape[2]):
+            raise error("shared_expert_gate", f"{name}: expected a [1, {gu.shape[2]}] weight, got {tuple(gate.shape)}")
+    return gu, dn, gate
+
+
+def _bf16_on(gate, device: str) -> torch.Tensor:
+    """A gate [1, H] (torch, or NumPy bfloat16 from a checkpoint) as a contiguous bf16 torch tensor on `device`."""
+    if isinstance(gate, np.ndarray):
+        gate = torch.from_numpy(np.ascontiguousarray(gate).view(np.int16)).view(torch.bfloat16)
+    return gate.to(device=device, dtype=torch.bfloat16).contiguous()
+
+
 def _write_back(experts, w1: np.ndarray, w2: np.ndarray) -> None:
     with torch.no_grad():
         gu = torch.from_numpy(w1)
@@ -214,6 +267,14 @@ def _write_back(experts, w1: np.ndarray, w2: np.ndarray) -> None:
             gu, dn = gu.transpose(1, 2), dn.transpose(1, 2)
         experts.gate_up_proj.copy_(gu.to(experts.gate_up_proj.dtype))
         experts.down_proj.copy_(dn.to(experts.down_proj.dtype))
+
+
+def _write_back_shared(se, w1: np.ndarray, w2: np.ndarray) -> None:
+    """The decoded shared expert (w1 [1, 2Is, H] gate rows first, w2 [1, H, Is]) into its three linears."""
+    Is = w2.shape[2]
+    with torch.no_grad():
+        for lin, v in ((se.gate_proj, w1[0, :Is]), (se.up_proj, w1[0, Is:]), (se.down_proj, w2[0])):
+            lin.weight.copy_(torch.from_numpy(np.ascontiguousarray(v)).to(lin.weight.dtype))
 
 
 def _adapter_tensors(wrappers, name: str, E: int):
@@ -306,14 +367,16 @@ def swap_moe_blocks(model: nn.Module, *, quantize: bool = True, adapters="auto",
         E, n1, H = gu.shape
         act = activation_of(experts.act_fn)
         method = routing_method_of(block)
-        top_k = int(getattr(block.gate, "top_k", getattr(block, "top_k", 0)))
+        top_k = int(getattr(block.gate, "top_k", getattr(block, "top_k", getattr(block, "num_experts_per_tok", 0))))
         if top_k <= 0:
             raise error("model", f"{name}: cannot find the router's top_k")
         dev = device
         if dev is None:
             dev = "cpu" if gu.device.type == "cpu" else f"cuda:{gu.device.index or 0}"
+        st = _shared_tensors(block, name, act)
+        shared = shared_gate = None
         if ck is not None:
-            weights = _checkpoint_weights(ck, name, act, dev, E, H, n1)
+            weights, shared, shared_gate = _checkpoint_weights(ck, name, act, dev, E, H, n1, st)
         elif quantize:
             q = _api.quantize_weights(gu, dn, gate_up_order="gate_first", activation=act)
             weights = _api.prepare_weights(**q, gate_up_order="gate_first", activation=act, device=dev)
@@ -323,6 +386,18 @@ def swap_moe_blocks(model: nn.Module, *, quantize: bool = True, adapters="auto",
         else:
             weights = _api.from_hf_experts(gu.to(torch.bfloat16), dn.to(torch.bfloat16), quantize=False,
                                            activation=act, device=dev)
+        if st is not None and ck is None:  # the shared expert prepared as the routed ones
+            sgu, sdn, sgate = st
+            if quantize:
+                q = _api.quantize_weights(sgu, sdn, gate_up_order="gate_first", activation=act)
+                shared = _api.prepare_weights(**q, gate_up_order="gate_first", activation=act, device=dev)
+                if write_back:
+                    w1, w2 = _api.dequantize_weights(**q)
+                    _write_back_shared(block.shared_expert, w1, w2)
+            else:
+                shared = _api.from_hf_experts(sgu.to(torch.bfloat16), sdn.to(torch.bfloat16), quantize=False,
+                                              activation=act, device=dev)
+            shared_gate = None if sgate is None else _bf16_on(sgate, dev)
         registry = None
         slots = {}
         if adapters not in (None, False) and wrappers:
@@ -350,10 +425,10 @@ def swap_moe_blocks(model: nn.Module, *, quantize: bool = True, adapters="auto",
         new = Fp4MoeSparseMoeBlock(block.gate, weights, top_k=top_k, routing_method=method, num_experts=E,
                                    activation=act, adapters=registry, adapter_slots=slots,
                                    active_adapter=active if active in slots else None, routing=routing,
-                                   source=type(block).__name__)
+                                   source=type(block).__name__, shared_expert=shared, shared_expert_gate=shared_gate)
         if use_workspace and max_tokens > 0:
             new.workspace = _ops.workspace_for(weights, max_tokens, top_k, activation=act,
-                                               routing_from_logits=routing == "fused",
+                                               routing_from_logits=routing == "fused", shared_expert=shared,
                                                max_lora_rank=64 if registry is not None else 0)
         new_blocks.append((name, new, block))
     for name, new, block in new_blocks:
@@ -363,19 +438,34 @@ def swap_moe_blocks(model: nn.Module, *, quantize: bool = True, adapters="auto",
     return swap
 
 
-def _checkpoint_weights(ck, name: str, act, device, E: int, H: int, n1: int):
-    """The prepared experts of block `name` from the checkpoint, checked against the block's shapes."""
+def _checkpoint_weights(ck, name: str, act, device, E: int, H: int, n1: int, shared_tensors):
+    """(experts, shared expert or None, its gate or None) of block `name` from the checkpoint, checked against the
+    block's shapes (shared_tensors: _shared_tensors of the block)."""
     import re
     from . import checkpoint as _ckpt
     m = re.search(r"(?:^|\.)layers\.(\d+)\.", name + ".")
     if m is None:
         raise error("checkpoint", f"{name}: cannot tell the block's layer index from its module name")
-    layer = _ckpt.load_moe_layer(ck, int(m.group(1)), device=device, activation=act, shared_expert=False)
+    layer = _ckpt.load_moe_layer(ck, int(m.group(1)), device=device, activation=act,
+                                 shared_expert=shared_tensors is not None)
     w = layer.weights
     if (w.num_experts, w.hidden, 2 * w.inter if w.gated else w.inter) != (E, H, n1):
         raise error("checkpoint", f"{name}: the checkpoint's layer {m.group(1)} has E={w.num_experts}, H={w.hidden}, "
                                   f"I={w.inter}; the model's block has E={E}, H={H}, N1={n1}")
-    return w
+    if shared_tensors is None:
+        return w, None, None
+    s, g = layer.shared_expert, layer.shared_expert_gate
+    want_I = shared_tensors[1].shape[2]
+    L = m.group(1)
+    if s is None or s.inter != want_I:
+        got = "none" if s is None else f"I={s.inter}"
+        raise error("checkpoint", f"{name}: the model's block has a shared expert of I={want_I}; the checkpoint's "
+                                  f"layer {L} has {got}")
+    if (g is None) != (shared_tensors[2] is None):
+        have = "has no" if shared_tensors[2] is None else "has a"
+        raise error("checkpoint", f"{name}: the model's block {have} shared_expert_gate, the checkpoint's layer {L} "
+                                  f"{'has none' if g is None else 'has one'}")
+    return w, s, None if g is None else _bf16_on(g, device)
 
 
 def _blocks(model: nn.Module):

@@ -65,8 +65,8 @@ def _obj(h: int, argument: str):
 def _run(out, x, weights, routing_logits, routing_bias, topk_ids, topk_weights, top_k, routing_method, n_group,
          topk_group, routed_scaling_factor, activation, gemm1_alpha, gemm1_beta, gemm1_clamp_limit,
          num_experts_total, local_expert_offset, act_mode, fc1_input_scale, fc2_input_scale, shared_expert,
-         shared_alpha, shared_beta, shared_clamp_limit, shared_params_given, adapters, adapter_ids, gate_up_lora_delta,
-         workspace):
+         shared_alpha, shared_beta, shared_clamp_limit, shared_params_given, shared_expert_gate, adapters, adapter_ids,
+         gate_up_lora_delta, workspace):
     w = _obj(weights, "weights")
     kw = {}
     if shared_params_given:
@@ -77,8 +77,9 @@ def _run(out, x, weights, routing_logits, routing_bias, topk_ids, topk_weights, 
              gemm1_alpha=gemm1_alpha, gemm1_beta=gemm1_beta, gemm1_clamp_limit=gemm1_clamp_limit,
              num_experts_total=num_experts_total, local_expert_offset=local_expert_offset, mode=act_mode,
              fc1_input_scale=fc1_input_scale, fc2_input_scale=fc2_input_scale,
-             shared_expert=_obj(shared_expert, "shared_expert"), adapters=_obj(adapters, "adapters"),
-             adapter_ids=adapter_ids, gate_up_lora_delta=gate_up_lora_delta, out=out, workspace=workspace,
+             shared_expert=_obj(shared_expert, "shared_expert"), shared_expert_gate=shared_expert_gate,
+             adapters=_obj(adapters, "adapters"), adapter_ids=adapter_ids, gate_up_lora_delta=gate_up_lora_delta,
+             out=out, workspace=workspace,
              **kw)
 
 
@@ -90,15 +91,15 @@ def _moe_op(x: torch.Tensor, weights: int, routing_logits: Optional[torch.Tensor
             gemm1_beta: Optional[torch.Tensor], gemm1_clamp_limit: Optional[torch.Tensor], num_experts_total: int,
             local_expert_offset: int, act_mode: int, fc1_input_scale: float, fc2_input_scale: float, shared_expert: int,
             shared_alpha: float, shared_beta: float, shared_clamp_limit: float, shared_params_given: bool,
-            adapters: int, adapter_ids: Optional[torch.Tensor],
+            shared_expert_gate: Optional[torch.Tensor], adapters: int, adapter_ids: Optional[torch.Tensor],
             gate_up_lora_delta: Optional[torch.Tensor]) -> torch.Tensor:
     w = _obj(weights, "weights")
     out = torch.empty((x.shape[0], w.hidden), dtype=torch.bfloat16, device=x.device)
     _run(out, x, weights, routing_logits, routing_bias, topk_ids, topk_weights, top_k, routing_method, n_group,
          topk_group, routed_scaling_factor, activation, gemm1_alpha, gemm1_beta, gemm1_clamp_limit,
          num_experts_total, local_expert_offset, act_mode, fc1_input_scale, fc2_input_scale, shared_expert,
-         shared_alpha, shared_beta, shared_clamp_limit, shared_params_given, adapters, adapter_ids, gate_up_lora_delta,
-         None)
+         shared_alpha, shared_beta, shared_clamp_limit, shared_params_given, shared_expert_gate, adapters, adapter_ids,
+         gate_up_lora_delta, None)
     return out
 
 
@@ -116,14 +117,14 @@ def _moe_out_op(out: torch.Tensor, x: torch.Tensor, weights: int, routing_logits
                 gemm1_beta: Optional[torch.Tensor], gemm1_clamp_limit: Optional[torch.Tensor],
                 num_experts_total: int, local_expert_offset: int, act_mode: int, fc1_input_scale: float,
                 fc2_input_scale: float, shared_expert: int, shared_alpha: float, shared_beta: float,
-                shared_clamp_limit: float, shared_params_given: bool, adapters: int,
-                adapter_ids: Optional[torch.Tensor], gate_up_lora_delta: Optional[torch.Tensor],
+                shared_clamp_limit: float, shared_params_given: bool, shared_expert_gate: Optional[torch.Tensor],
+                adapters: int, adapter_ids: Optional[torch.Tensor], gate_up_lora_delta: Optional[torch.Tensor],
                 workspace: Optional[torch.Tensor]) -> None:
     _run(out, x, weights, routing_logits, routing_bias, topk_ids, topk_weights, top_k, routing_method, n_group,
          topk_group, routed_scaling_factor, activation, gemm1_alpha, gemm1_beta, gemm1_clamp_limit,
          num_experts_total, local_expert_offset, act_mode, fc1_input_scale, fc2_input_scale, shared_expert,
-         shared_alpha, shared_beta, shared_clamp_limit, shared_params_given, adapters, adapter_ids, gate_up_lora_delta,
-         workspace)
+         shared_alpha, shared_beta, shared_clamp_limit, shared_params_given, shared_expert_gate, adapters, adapter_ids,
+         gate_up_lora_delta, workspace)
 
 
 @_moe_out_op.register_fake
@@ -174,7 +175,8 @@ def _ids32(t):
 def _args(x, weights, routing_logits, routing_bias, topk_ids, topk_weights, top_k, routing_method, n_group,
           topk_group, routed_scaling_factor, activation, gemm1_alpha, gemm1_beta, gemm1_clamp_limit,
           num_experts_total, local_expert_offset, mode, fc1_input_scale, fc2_input_scale, shared_expert,
-          shared_alpha, shared_beta, shared_clamp_limit, adapters, adapter_ids, gate_up_lora_delta, workspace):
+          shared_alpha, shared_beta, shared_clamp_limit, shared_expert_gate, adapters, adapter_ids, gate_up_lora_delta,
+          workspace):
     if not isinstance(weights, _api.MoeWeights):
         raise _api.error("weights", f"expected fp4moe.MoeWeights, got {type(weights).__name__}")
     if activation is None:
@@ -192,16 +194,16 @@ def _args(x, weights, routing_logits, routing_bias, topk_ids, topk_weights, top_
             _per_expert(gemm1_clamp_limit, "gemm1_clamp_limit", weights, x), int(num_experts_total),
             int(local_expert_offset), _enum_value(ActMode, mode, "mode", MODE_ALIASES), float(fc1_input_scale),
             float(fc2_input_scale), handle_of(shared_expert), 1.0 if shared_alpha is None else float(shared_alpha),
-            0.0 if shared_beta is None else float(shared_beta), clamp, bool(shared_given), handle_of(adapters),
-            _ids32(adapter_ids), gate_up_lora_delta, workspace)
+            0.0 if shared_beta is None else float(shared_beta), clamp, bool(shared_given), shared_expert_gate,
+            handle_of(adapters), _ids32(adapter_ids), gate_up_lora_delta, workspace)
 
 
 def moe(x: torch.Tensor, weights, *, routing_logits=None, routing_bias=None, topk_ids=None, topk_weights=None,
         top_k: int, routing_method, n_group: int = 1, topk_group: int = 1, routed_scaling_factor: float = 1.0,
         activation=None, gemm1_alpha=None, gemm1_beta=None, gemm1_clamp_limit=None, num_experts_total: int = 0,
         local_expert_offset: int = 0, mode="a16", fc1_input_scale: float = 0.0, fc2_input_scale: float = 0.0,
-        shared_expert=None, shared_alpha=None, shared_beta=None, shared_clamp_limit=None, adapters=None,
-        adapter_ids=None, gate_up_lora_delta=None, workspace=None) -> torch.Tensor:
+        shared_expert=None, shared_alpha=None, shared_beta=None, shared_clamp_limit=None, shared_expert_gate=None,
+        adapters=None, adapter_ids=None, gate_up_lora_delta=None, workspace=None) -> torch.Tensor:
     """fp4moe.moe through torch.ops.fp4moe.moe (PyTorch tensors only); same keywords as fp4moe.moe.
 
     With a workspace the call goes through torch.ops.fp4moe.moe_out on a fresh output (an Optional tensor
@@ -209,7 +211,8 @@ def moe(x: torch.Tensor, weights, *, routing_logits=None, routing_bias=None, top
     args = _args(x, weights, routing_logits, routing_bias, topk_ids, topk_weights, top_k, routing_method, n_group,
                  topk_group, routed_scaling_factor, activation, gemm1_alpha, gemm1_beta, gemm1_clamp_limit,
                  num_experts_total, local_expert_offset, mode, fc1_input_scale, fc2_input_scale, shared_expert,
-                 shared_alpha, shared_beta, shared_clamp_limit, adapters, adapter_ids, gate_up_lora_delta, workspace)
+                 shared_alpha, shared_beta, shared_clamp_limit, shared_expert_gate, adapters, adapter_ids,
+                 gate_up_lora_delta, workspace)
     if workspace is None:
         return torch.ops.fp4moe.moe(*args[:-1])
     out = torch.empty((x.shape[0], weights.hidden), dtype=torch.bfloat16, device=x.device)
@@ -222,14 +225,15 @@ def moe_out(out: torch.Tensor, x: torch.Tensor, weights, *, routing_logits=None,
             routed_scaling_factor: float = 1.0, activation=None, gemm1_alpha=None, gemm1_beta=None,
             gemm1_clamp_limit=None, num_experts_total: int = 0, local_expert_offset: int = 0, mode="a16",
             fc1_input_scale: float = 0.0, fc2_input_scale: float = 0.0, shared_expert=None, shared_alpha=None,
-            shared_beta=None, shared_clamp_limit=None, adapters=None, adapter_ids=None, gate_up_lora_delta=None,
-            workspace=None) -> torch.Tensor:
+            shared_beta=None, shared_clamp_limit=None, shared_expert_gate=None, adapters=None, adapter_ids=None,
+            gate_up_lora_delta=None, workspace=None) -> torch.Tensor:
     """Like moe(), writing into `out` ([T, H] bfloat16) through torch.ops.fp4moe.moe_out; returns out."""
     torch.ops.fp4moe.moe_out(out, *_args(
         x, weights, routing_logits, routing_bias, topk_ids, topk_weights, top_k, routing_method, n_group,
         topk_group, routed_scaling_factor, activation, gemm1_alpha, gemm1_beta, gemm1_clamp_limit,
         num_experts_total, local_expert_offset, mode, fc1_input_scale, fc2_input_scale, shared_expert,
-        shared_alpha, shared_beta, shared_clamp_limit, adapters, adapter_ids, gate_up_lora_delta, workspace))
+        shared_alpha, shared_beta, shared_clamp_limit, shared_expert_gate, adapters, adapter_ids,
+        gate_up_lora_delta, workspace))
     return out
 
 

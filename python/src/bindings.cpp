@@ -324,6 +324,7 @@ MoeArgs make_moe_args(const nb::dict& t, Keep& keep, int routing_method, int64_t
   a.shared_beta = shared_beta;
   a.shared_clamp_limit = shared_clamp_limit;
   a.shared_params_given = shared_params_given;
+  a.shared_expert_gate = get(t, "shared_expert_gate", keep);
   a.adapters = adapters;
   a.adapter_ids = get(t, "adapter_ids", keep);
   a.gate_up_lora_delta = get(t, "gate_up_lora_delta", keep);
@@ -352,7 +353,8 @@ MoeArgs make_moe_args(const nb::dict& t, Keep& keep, int routing_method, int64_t
 
 void py_moe_run(const MoeWeights& weights, const nb::dict& t, FP4MOE_MOE_PARAMS) {
   check_keys(t, {"x", "routing_logits", "routing_bias", "topk_ids", "topk_weights", "gemm1_alpha", "gemm1_beta",
-                 "gemm1_clamp_limit", "adapter_ids", "gate_up_lora_delta", "activation_out", "y", "workspace"},
+                 "gemm1_clamp_limit", "shared_expert_gate", "adapter_ids", "gate_up_lora_delta", "activation_out", "y",
+                 "workspace"},
              "moe");
   Keep keep;
   MoeArgs a = make_moe_args(t, keep, FP4MOE_MOE_ARGS);
@@ -365,8 +367,8 @@ void py_moe_run_parallel(const std::string& kind, NcclGroupComm& comm, int outpu
                          const nb::dict& t, FP4MOE_MOE_PARAMS) {
   if (kind != "tp" && kind != "ep") bad("kind", "expected 'tp' or 'ep', got '" + kind + "'");
   check_keys(t, {"x", "routing_logits", "routing_bias", "topk_ids", "topk_weights", "gemm1_alpha", "gemm1_beta",
-                 "gemm1_clamp_limit", "adapter_ids", "gate_up_lora_delta", "activation_out", "y", "workspace",
-                 "parallel_workspace"},
+                 "gemm1_clamp_limit", "shared_expert_gate", "adapter_ids", "gate_up_lora_delta", "activation_out", "y",
+                 "workspace", "parallel_workspace"},
              kind == "tp" ? "moe_tp" : "moe_ep");
   Keep keep;
   MoeArgs a = make_moe_args(t, keep, FP4MOE_MOE_ARGS);

@@ -98,6 +98,53 @@ FP4MOE_HD float sigmoid_fast(float v) { return div_fast(1.f, 1.f + exp_fast(-v))
 FP4MOE_HD double sigmoid_fast(double v) { return sigmoid(v); }
 FP4MOE_HD double div_fast(double a, double b) { return a / b; }
 
+// ---- bit-identical float math on the host and the device --------------------------------------------------
+// One IEEE fp32 operation, rounded on its own: never fused into an FMA (nvcc fuses a*b+c by default; a host compiler
+// may too) nor replaced by an approximation, so a formula written with these gives the same bits on both sides.
+#if defined(__CUDA_ARCH__)
+__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ float div_rn(float a, float b) { return __fdiv_rn(a, b); }
+__device__ __forceinline__ float pow2_bits(int n) { return __int_as_float((n + 127) << 23); }
+#else
+inline float mul_rn(float a, float b) {
+  volatile float p = a * b;  // stored, so no later add can contract with it
+  return p;
+}
+inline float add_rn(float a, float b) { return a + b; }
+inline float div_rn(float a, float b) { return a / b; }
+inline float pow2_bits(int n) {
+  const uint32_t u = static_cast<uint32_t>(n + 127) << 23;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+#endif
+
+// e^v from mul_rn / add_rn only (no library exp, whose last bit differs between glibc and CUDA): Cody-Waite
+// reduction v = n ln2 + r, |r| <= ln2/2, then a degree-7 Taylor polynomial in Horner form, scaled by 2^n in two
+// exact steps. Within 4e-7 relative of e^v (tests/cpp/test_activation.cpp); 0 below e^-88, +inf from e^89.
+FP4MOE_HD float exp_ieee(float v) {
+  if (v != v) return v;
+  if (v >= 89.f) return INFINITY;
+  if (v <= -88.f) return 0.f;
+  const float n = floorf(add_rn(mul_rn(v, 0x1.715476p+0f), 0.5f));  // round(v / ln2)
+  // ln2 = hi + lo, hi with 17 significant bits: n * hi is exact for |n| <= 128.
+  const float r = add_rn(add_rn(v, -mul_rn(n, 0x1.62e4p-1f)), -mul_rn(n, 0x1.7f7d1cp-20f));
+  float p = 0x1.a01a02p-13f;  // 1/7!, 1/6!, ..., 1/2!, 1, 1
+  p = add_rn(mul_rn(p, r), 0x1.6c16c2p-10f);
+  p = add_rn(mul_rn(p, r), 0x1.111112p-7f);
+  p = add_rn(mul_rn(p, r), 0x1.555556p-5f);
+  p = add_rn(mul_rn(p, r), 0x1.555556p-3f);
+  p = add_rn(mul_rn(p, r), 0.5f);
+  p = add_rn(mul_rn(p, r), 1.f);
+  p = add_rn(mul_rn(p, r), 1.f);
+  const int ni = static_cast<int>(n), half = ni / 2;  // n in [-127, 128]: both factors are normal floats
+  return mul_rn(mul_rn(p, pow2_bits(half)), pow2_bits(ni - half));
+}
+// sigmoid(v) = 1 / (1 + e^-v) with exp_ieee and IEEE division: the same bits on the host and the device.
+FP4MOE_HD float sigmoid_ieee(float v) { return div_rn(1.f, add_rn(1.f, exp_ieee(-v))); }
+
 // SiTU (Kimi-K3): [alpha tanh(g/alpha) sigmoid(g)] * [beta tanh(u/beta)], optional clamp as Swiglu.
 struct Situ {
   template <class T> FP4MOE_HD static T apply(T g, T u, const Params& p) {

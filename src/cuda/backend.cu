@@ -486,6 +486,11 @@ void combine(const Call& c, const Chunk& ch) {
   cp.weights = ch.wts;
   cp.out = c.b.out;
   cp.shared_out = c.sw ? c.b.shared_out : nullptr;
+  // The gate reads the bf16 x (also in A4: the gate is not the shared expert's GEMM) of the chunk's tokens.
+  if (c.sw && c.args.shared_expert_gate.present()) {
+    cp.shared_gate = static_cast<const uint16_t*>(c.args.shared_expert_gate.data);
+    cp.x = static_cast<const uint16_t*>(c.args.x.data) + ch.t0 * H;
+  }
   cp.y = c.y_f32 ? nullptr : static_cast<uint16_t*>(c.args.y.data) + ch.t0 * H;
   cp.y_f32 = c.y_f32 ? static_cast<float*>(c.args.y.data) + ch.t0 * H : nullptr;
   cp.T = ch.tc;

@@ -145,6 +145,10 @@ void check_device_errors(int device_id) {
     throw Error(ErrorCode::DeviceFault, "routing.bias",
                 "the routing bias on the GPU held a value that is not finite; the experts chosen (and so every "
                 "token's output) were unspecified, though in range");
+  if (v == kErrSharedGate)
+    throw Error(ErrorCode::DeviceFault, "shared_expert_gate",
+                "the shared expert's gate on the GPU held a value that is not finite; the shared expert's term was "
+                "dropped from every token's output");
   if (v == kErrActAlpha || v == kErrActBeta || v == kErrActClampLimit) {
     const char* name = v == kErrActAlpha ? "activation.alpha" : v == kErrActBeta ? "activation.beta" : "activation.clamp_limit";
     throw Error(ErrorCode::DeviceFault, name,

@@ -289,6 +289,9 @@ struct CombineParams {
   const float* weights = nullptr;
   const float* out = nullptr;    // [T*k, H]
   const float* shared_out = nullptr;  // [T, H] or null
+  // The shared expert's sigmoid gate: g bf16 [H] (null: weight 1) and the chunk's x rows [T, H] it reads.
+  const uint16_t* shared_gate = nullptr;
+  const uint16_t* x = nullptr;
   uint16_t* y = nullptr;         // bf16 [T, H] (one rounding), or null when y_f32 is given
   float* y_f32 = nullptr;        // f32 [T, H]: the same sum, not rounded (args.y float32; parallel partials)
   int T = 0, k = 0, H = 0, E_loc = 0, local_offset = 0;
@@ -343,6 +346,6 @@ void check_launch(const char* kernel);
 // 6 / 7 / 8 activation.alpha / beta / clamp_limit out of range (as the host check of validate.cpp).
 int* device_error_flag(int device_id);
 constexpr int kErrTopkIds = 1, kErrTiles = 2, kErrAdapterIds = 3, kErrParallelPeer = 4, kErrRoutingBias = 5,
-              kErrActAlpha = 6, kErrActBeta = 7, kErrActClampLimit = 8;
+              kErrActAlpha = 6, kErrActBeta = 7, kErrActClampLimit = 8, kErrSharedGate = 9;
 
 }  // namespace fp4moe::cuda_backend

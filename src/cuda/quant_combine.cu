@@ -2,6 +2,7 @@
 #include "cuda/kernels.h"
 #include "cuda/pdl.cuh"
 #include "cuda/nvfp4_device.cuh"
+#include "common/shared_gate.h"
 
 namespace fp4moe::cuda_backend {
 namespace {
@@ -132,11 +133,27 @@ __device__ __forceinline__ SlotBatch load_slots(const CombineParams& p, int t, i
   return s;
 }
 
+// The shared expert's gate of token t, sigmoid(x_t . g), in the order of common/shared_gate.h: each lane's partial,
+// then the xor butterfly (lane 0 folds exactly as gate_host; the others get the same bits). Every warp computes it for
+// itself, with no block barrier, before the kernel waits on the GEMMs. bad: g holds a value that is not finite.
+__device__ __forceinline__ float shared_gate_of(const CombineParams& p, int t, bool& bad) {
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  float s = shared_gate::lane_partial(p.x + static_cast<int64_t>(t) * p.H, p.shared_gate, p.H, lane);
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, off));
+  bool nonfinite = false;
+  for (int i = lane; i < p.H; i += 32) nonfinite |= !isfinite(dev::bf16_to_f32(p.shared_gate[i]));
+  bad = __any_sync(0xffffffffu, nonfinite);
+  return act::sigmoid_ieee(s);
+}
+
 // y_t = sum_j w_tj o_tj in slot order (+ shared, + SharedOuter down delta), fp32 multiply then add (no FMA,
 // as the reference), rounded once to bf16, or written as the fp32 sum (y_f32: float32 y, no rounding, as the
 // reference's float32 y). One block: 4 outputs a thread of token t = blockIdx.x / blocks_per_token; first: its
 // slots 0..7, loaded before the wait.
-__device__ __forceinline__ void combine_token(const CombineParams& p, bool act_on_device, int t, const SlotBatch& first) {
+// gate: the shared expert's gate (gate_bad: drop its term), unused without p.shared_gate.
+__device__ __forceinline__ void combine_token(const CombineParams& p, bool act_on_device, int t, const SlotBatch& first,
+                                              float gate, bool gate_bad) {
   // The local expert of an entry, -1 when it is another rank's, a dropped bad id or has bad parameters.
   auto local = [&](int64_t entry) {
     const int e = p.ids[entry] - p.local_offset;
@@ -192,7 +209,13 @@ __device__ __forceinline__ void combine_token(const CombineParams& p, bool act_o
       acc[3] = __fadd_rn(acc[3], __fmul_rn(w[b], o[b].w));
     }
   }
-  if (p.shared_out) {
+  if (p.shared_out && p.shared_gate && !gate_bad) {  // gate * shared: multiply, then add
+    const float4 s = *reinterpret_cast<const float4*>(p.shared_out + static_cast<int64_t>(t) * p.H + h);
+    acc[0] = __fadd_rn(acc[0], __fmul_rn(gate, s.x));
+    acc[1] = __fadd_rn(acc[1], __fmul_rn(gate, s.y));
+    acc[2] = __fadd_rn(acc[2], __fmul_rn(gate, s.z));
+    acc[3] = __fadd_rn(acc[3], __fmul_rn(gate, s.w));
+  } else if (p.shared_out && !p.shared_gate) {
     const float4 s = *reinterpret_cast<const float4*>(p.shared_out + static_cast<int64_t>(t) * p.H + h);
     acc[0] = __fadd_rn(acc[0], s.x);
     acc[1] = __fadd_rn(acc[1], s.y);
@@ -241,10 +264,13 @@ __global__ void combine_kernel(CombineParams p) {
   if (t >= p.T) return;  // block-uniform
   const SlotBatch first = load_slots(p, t, 0, act_on_device);
   const int every = act_on_device && blockIdx.x == 0 ? every_expert_code(p) : 0;
+  bool gate_bad = false;
+  const float gate = p.shared_gate ? shared_gate_of(p, t, gate_bad) : 1.f;
   dev::pdl_wait();
   dev::pdl_launch_dependents();
   if (every) atomicExch(p.error_flag, every);
-  combine_token(p, act_on_device, t, first);
+  if (gate_bad && blockIdx.x == 0 && threadIdx.x == 0) atomicExch(p.error_flag, kErrSharedGate);
+  combine_token(p, act_on_device, t, first, gate, gate_bad);
 }
 
 }  // namespace

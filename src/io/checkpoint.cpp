@@ -34,6 +34,7 @@ struct LayerPlan {
   ExpertsPlan routed;
   bool has_shared = false;
   ExpertsPlan shared;
+  std::string shared_gate;  // Qwen2-MoE / Qwen3-Next: the shared expert's sigmoid gate [1, H], or ""
   std::string router, correction_bias;
   uint64_t bytes = 0;
 };
@@ -155,22 +156,28 @@ LayerPlan plan_layer(Store& s, int layer) {
   const bool mixtral_block = p.prefix.size() >= 17 && p.prefix.compare(p.prefix.size() - 17, 17, "block_sparse_moe.") == 0;
   if (mt == "mixtral" || mixtral_block) p.architecture = "Mixtral";
   else if (mt == "qwen3_moe") p.architecture = "Qwen3-MoE";
+  else if (mt == "qwen2_moe") p.architecture = "Qwen2-MoE";
+  else if (mt == "qwen3_next") p.architecture = "Qwen3-Next";
   else if (mt == "deepseek_v3") p.architecture = "DeepSeek-V3";
   else if (mt == "kimi_k2") p.architecture = "Kimi-K2";
   else p.architecture = mt.empty() ? "per-expert MoE" : mt;
   for (const char* sname : {"shared_experts.", "shared_expert."}) {
     const std::string sb = p.prefix + sname;
     if (!s.has(sb + "down_proj.weight") && !s.has(sb + "down_proj.weight_packed")) continue;
-    if (s.has(p.prefix + "shared_expert_gate.weight"))
-      fail(s.path_of(p.prefix + "shared_expert_gate.weight") + ": tensor '" + p.prefix +
-               "shared_expert_gate.weight': a sigmoid-gated shared expert is not fp4moe's weight-1 shared expert",
-           ErrorCode::Unsupported);
     p.shared = plan_experts(s, sb, {}, "layer " + std::to_string(layer) + " shared expert");
     p.has_shared = true;
     if (p.shared.H != p.routed.H)
       fail(s.root.string() + ": layer " + std::to_string(layer) + ": the shared expert's H differs from the experts' H");
   }
   const int64_t E = p.routed.E, H = p.routed.H;
+  const std::string gate = p.prefix + "shared_expert_gate.weight";
+  if (s.has(gate)) {  // sigmoid(x . g) scales the shared expert (SPEC §3.3)
+    if (!p.has_shared)
+      fail(s.path_of(gate) + ": tensor '" + gate + "': a shared-expert gate without a shared expert ('" + p.prefix +
+           "shared_expert.down_proj.weight')");
+    expect(s, gate, {"BF16", "F16", "F32"}, {1, H}, " (the shared expert's gate [1, H])");
+    p.shared_gate = gate;
+  }
   if (s.has(p.prefix + "gate.weight")) {
     p.router = p.prefix + "gate.weight";
     expect(s, p.router, {"BF16", "F16", "F32"}, {E, H}, " (the router [E, H])");
@@ -180,7 +187,7 @@ LayerPlan plan_layer(Store& s, int layer) {
     expect(s, p.correction_bias, {"BF16", "F16", "F32"}, {E});
   }
   p.bytes = p.routed.bytes + (p.has_shared ? p.shared.bytes : 0);
-  for (const std::string& n : {p.router, p.correction_bias})
+  for (const std::string& n : {p.router, p.correction_bias, p.shared_gate})
     if (!n.empty()) p.bytes += s.info(n).end - s.info(n).begin;
   return p;
 }
@@ -369,6 +376,10 @@ CheckpointLayer read_moe_layer(const std::string& dir, int layer, const Checkpoi
     const auto [s0, ss] = tp_rows(p.shared.I);
     out.shared = read_experts(s, p.shared, 0, 1, s0, ss, &out.bytes_read);
     out.has_shared = true;
+    if (!p.shared_gate.empty()) {  // whole on every TP rank: x . g runs over the full H
+      out.shared_expert_gate = s.file(s.where.at(p.shared_gate)).read_bf16(s.info(p.shared_gate));
+      out.bytes_read += s.info(p.shared_gate).end - s.info(p.shared_gate).begin;
+    }
   }
   if (!p.router.empty()) out.router.weight = read_f32(s, p.router);
   if (!p.correction_bias.empty()) out.router.e_score_correction_bias = read_f32(s, p.correction_bias);
@@ -408,7 +419,9 @@ CheckpointInfo inspect_checkpoint(const std::string& dir) {
       r.hidden = p.routed.H;
       r.inter = p.routed.I;
       r.bytes = p.bytes;
-      if (p.has_shared) r.shared = std::string(p.shared.nvfp4 ? "nvfp4" : "bf16") + " I=" + std::to_string(p.shared.I);
+      if (p.has_shared)
+        r.shared = std::string(p.shared.nvfp4 ? "nvfp4" : "bf16") + " I=" + std::to_string(p.shared.I) +
+                   (p.shared_gate.empty() ? "" : ", sigmoid-gated");
       r.router = !p.router.empty();
       r.correction_bias = !p.correction_bias.empty();
     };

@@ -70,7 +70,9 @@ void routing_of(Store& s, int64_t E, CheckpointRouter& r) {
     if (mt == d.model_type) ds = &d;
   std::string ekey;
   if (among(kSoftmaxTopK)) {
-    r.routing_method = bool_of(member(c, "norm_topk_prob"), false) ? RoutingMethod::RenormalizeNaive : RoutingMethod::Default;
+    // transformers' default: false for Qwen2-MoE and Qwen3-MoE, true for Qwen3-Next.
+    r.routing_method = bool_of(member(c, "norm_topk_prob"), mt == "qwen3_next") ? RoutingMethod::RenormalizeNaive
+                                                                                 : RoutingMethod::Default;
     ekey = "num_experts";
   } else if (among(kRenormalize)) {
     r.routing_method = RoutingMethod::Renormalize;

@@ -19,6 +19,7 @@
 
 #include "common/activation.h"
 #include "common/parallel_for.h"
+#include "common/shared_gate.h"
 #include "fp4moe/nvfp4.h"
 #include "reference/reference.h"
 #include "runtime/host_tensor.h"
@@ -186,6 +187,7 @@ template <class Acc> class Runner {
     return (*snap_)[adapter_[t]].get();
   }
   void combine(int64_t t);
+  Acc shared_gate(int64_t t) const;
 
   const PreparedWeights& w_;
   const MoeArgs& a_;
@@ -441,7 +443,11 @@ template <class Acc> void Runner<Acc>::combine(int64_t t) {
     const Acc* o = pair_out_.data() + (t * k_ + j) * H_;
     for (int64_t h = 0; h < H_; ++h) acc[h] += wt * o[h];
   }
-  if (shared_.w) {
+  if (shared_.w && a_.shared_expert_gate.present()) {
+    const Acc gate = shared_gate(t);  // fp32 multiply, then add (SPEC §3.3)
+    const Acc* o = shared_out_.data() + t * H_;
+    for (int64_t h = 0; h < H_; ++h) acc[h] += gate * o[h];
+  } else if (shared_.w) {
     const Acc* o = shared_out_.data() + t * H_;
     for (int64_t h = 0; h < H_; ++h) acc[h] += o[h];
   }
@@ -472,6 +478,20 @@ template <class Acc> void Runner<Acc>::combine(int64_t t) {
       case DType::F32: y.as<float>()[off] = static_cast<float>(acc[h]); break;
       default: y.as<double>()[off] = static_cast<double>(acc[h]); break;
     }
+  }
+}
+
+// sigmoid(x_t . g): Fp32 in the fixed order of common/shared_gate.h (the CUDA combine's bits); Fp64 a serial double
+// sum and the exact sigmoid.
+template <class Acc> Acc Runner<Acc>::shared_gate(int64_t t) const {
+  const uint16_t* x = a_.x.as<const uint16_t>() + t * a_.x.stride[0];
+  const uint16_t* g = a_.shared_expert_gate.as<const uint16_t>();
+  if constexpr (sizeof(Acc) == sizeof(float)) {
+    return shared_gate::gate_host(x, g, H_);
+  } else {
+    double z = 0.0;
+    for (int64_t h = 0; h < H_; ++h) z += double(bf16_bits_to_f32(x[h])) * double(bf16_bits_to_f32(g[h]));
+    return 1.0 / (1.0 + std::exp(-z));
   }
 }
 

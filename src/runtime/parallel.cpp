@@ -392,7 +392,10 @@ void moe_run_ep(const MoeWeights& local, const MoeArgs& args, Communicator& comm
                          std::to_string(local.num_experts()));
   };
   MoeArgs a = args;
-  if (comm.rank() != 0) a.shared_expert = nullptr;  // the shared expert is added once, on rank 0
+  if (comm.rank() != 0) {  // the shared expert (and its gate) is added once, on rank 0
+    a.shared_expert = nullptr;
+    a.shared_expert_gate = TensorView{};
+  }
   run_and_reduce(local, a, args, comm, output, precheck, parallel_workspace);
 }
 

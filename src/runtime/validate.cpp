@@ -61,6 +61,27 @@ void check_host_values(const TensorView& t, const char* name, bool positive, boo
   }
 }
 
+// The shared expert's sigmoid gate: bf16 [H] or [1, H] beside a shared expert; host values finite (on the GPU the
+// combine checks them, docs/api.md).
+void validate_shared_gate(const MoeArgs& a, int64_t H, Backend dev, int dev_id) {
+  const TensorView& g = a.shared_expert_gate;
+  if (!g.present()) return;
+  const char* name = "shared_expert_gate";
+  if (!a.shared_expert) invalid(name, "given without a shared expert (shared_expert); the gate scales its output");
+  if (g.dtype != DType::BF16)
+    invalid(name, std::string("expected dtype bfloat16 (as checkpoints store shared_expert_gate.weight), got ") +
+                      to_string(g.dtype));
+  if (g.ndim == 2 && g.shape[0] == 1) expect(g, name, DType::BF16, {1, H}, dev, dev_id);
+  else if (g.ndim == 1) expect(g, name, DType::BF16, {H}, dev, dev_id);
+  else invalid(name, "expected shape [" + std::to_string(H) + "] or [1, " + std::to_string(H) + "], got " + g.shape_str());
+  if (g.device != Backend::CPU) return;
+  const uint16_t* p = g.as<uint16_t>();
+  for (int64_t i = 0; i < H; ++i)
+    if (!std::isfinite(bf16_bits_to_f32(p[i])))
+      invalid(name, "element " + std::to_string(i) + " is " + std::to_string(bf16_bits_to_f32(p[i])) +
+                        "; expected a finite number");
+}
+
 }  // namespace
 
 void validate_routing(const RoutingArgs& r, int64_t T, int64_t E_total, Backend dev, int dev_id) {
@@ -184,6 +205,8 @@ CallShape validate_moe_args(const MoeWeights& weights, const MoeArgs& a, const A
         invalid("shared_clamp_limit", "expected >= 0 (0 = none) or +inf, got " + std::to_string(a.shared_clamp_limit));
     }
   }
+
+  validate_shared_gate(a, s.H, dev, dev_id);
 
   // LoRA.
   if (a.adapter_ids.present() && !a.adapters) invalid("adapter_ids", "given without an adapter registry (adapters)");

@@ -140,7 +140,9 @@ inline void drop(Model& m, const std::string& name) {
   m.tensors.erase(it);
 }
 
-inline std::vector<uint16_t> run_cpu(const MoeWeights& w, int64_t E, int64_t H) {
+// The layer on 5 tokens (RenormalizeNaive top-2, Swiglu), with a shared expert and its gate [H] when given.
+inline std::vector<uint16_t> run_cpu(const MoeWeights& w, int64_t E, int64_t H, const MoeWeights* shared = nullptr,
+                                     std::vector<uint16_t> gate = {}) {
   const int64_t T = 5;
   std::mt19937 rng(9);
   std::normal_distribution<float> nd(0.f, 0.5f);
@@ -154,6 +156,8 @@ inline std::vector<uint16_t> run_cpu(const MoeWeights& w, int64_t E, int64_t H) 
   a.routing.top_k = 2;
   a.routing.logits = make_view(logits.data(), DType::F32, {T, E});
   a.activation.type = ActivationType::Swiglu;
+  a.shared_expert = shared;
+  if (!gate.empty()) a.shared_expert_gate = make_view(gate.data(), DType::BF16, {H});
   a.y = make_view(y.data(), DType::BF16, {T, H});
   a.num_threads = 1;
   moe_run(w, a);

@@ -32,6 +32,7 @@ struct Case {
   WeightFormat shared_format = WeightFormat::NVFP4;
   int64_t shared_I = 0;
   bool shared_params = false;      // give shared_alpha/beta/clamp (else defaults)
+  bool shared_gate = false;        // a sigmoid gate g [1, H] on the shared expert (Qwen3-Next)
   bool per_expert_params = false;  // alpha/beta/clamp_limit tensors [E_loc] (values vary per expert)
   bool bf16_logits = false;
   bool routing_bias = false;
@@ -180,6 +181,7 @@ struct Problem {
   std::unique_ptr<AdapterRegistry> registry;
   std::vector<uint16_t> bridge;                   // gate_up_lora_delta [T, k, N1] bf16, or empty
   std::vector<uint16_t> act_out;                  // activation_out [T, k, I] bf16, or empty
+  std::vector<uint16_t> gate;                     // shared_expert_gate [1, H] bf16, or empty
 
   explicit Problem(const Case& cs) : c(cs) {
     T = c.T;
@@ -193,6 +195,8 @@ struct Problem {
     if (c.shared) {
       sw = make_weights(1, H, c.shared_I, c.seed * 101 + 2, c.shared_format, GateUpOrder::GateFirst, gated, false);
       msw = prepare_weights(sw.desc(), Backend::CPU);
+      // Logits x . g of std ~0.5-1 for x ~ U(-1, 1): gates spread over (0, 1), none saturated.
+      if (c.shared_gate) gate = random_bf16_vec(H, c.seed * 101 + 6, -0.05f, 0.05f);
     }
     x = random_bf16_vec(T * H, c.seed * 101 + 3);
     logits_f = random_f32_vec(T * c.E_total, c.seed * 101 + 4, -3.f, 3.f);
@@ -249,6 +253,7 @@ struct Problem {
         a.shared_beta = c.shape.activation == ActivationType::Situ ? 3.f : 0.5f;
         a.shared_clamp_limit = 6.f;
       }
+      if (!gate.empty()) a.shared_expert_gate = make_view(const_cast<uint16_t*>(gate.data()), DType::BF16, {1, H});
     }
     if (registry) {
       a.adapters = registry.get();
@@ -379,6 +384,13 @@ struct Problem {
     return host_adapters[adapter_ids[t]];
   }
 
+  // sigmoid(x_t . g) in double, from the bf16 x (not its NVFP4 rounding in A4).
+  double gate_double(int64_t t) const {
+    double z = 0.0;
+    for (int64_t hh = 0; hh < H; ++hh) z += double(bf16_bits_to_f32(x[t * H + hh])) * double(bf16_bits_to_f32(gate[hh]));
+    return 1.0 / (1.0 + std::exp(-z));
+  }
+
   // The dense oracle: y[t] = sum over local experts chosen by t of w * o_e(t) (+ shared expert).
   // act_out, when given, receives [T, k, I] the activation of each chosen local slot (0 elsewhere).
   std::vector<double> dense(std::vector<double>* act_out = nullptr) const {
@@ -416,7 +428,10 @@ struct Problem {
     }
     if (c.shared) {
       dense_expert(sw, 0, true, shared_params(), xin, in_scale, std::vector<int64_t>(T, 0), o, nullptr);
-      for (int64_t i = 0; i < T * H; ++i) y[i] += o[i];
+      for (int64_t t = 0; t < T; ++t) {
+        const double gt = gate.empty() ? 1.0 : gate_double(t);
+        for (int64_t hh = 0; hh < H; ++hh) y[t * H + hh] += gt * o[t * H + hh];
+      }
     }
     return y;
   }

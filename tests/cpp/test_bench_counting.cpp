@@ -43,6 +43,23 @@ TEST(BenchCounting, KnownShapeNumbers) {
   EXPECT_THROW(bench::expert_weight_bytes(WeightFormat::NVFP4, 0, 16, true), std::invalid_argument);
 }
 
+TEST(BenchCounting, SharedExpertOfQwen3NextCounted) {
+  const ModelShape* s = find_model_shape("qwen3_next_80b_a3b");
+  ASSERT_NE(s, nullptr);
+  EXPECT_EQ(s->shared_I, 512);
+  EXPECT_TRUE(s->shared_gate);
+  // W1 [1024, 2048] and W2 [2048, 512] NVFP4 with three fp32 global scales, and the bf16 gate [2048].
+  const int64_t elems = 1024 * 2048 + 2048 * 512;
+  EXPECT_EQ(bench::shared_expert_bytes(WeightFormat::NVFP4, 2048, 512, true, false), elems / 2 + elems / 16 + 12);
+  EXPECT_EQ(bench::shared_expert_bytes(WeightFormat::NVFP4, 2048, 512, true, true), elems / 2 + elems / 16 + 12 + 4096);
+  // FLOPs of T tokens, counted with loops: the two GEMMs a token and the gate's dot product.
+  const int64_t H = 48, I = 32, T = 5;
+  int64_t macs = 0;
+  for (int64_t t = 0; t < T; ++t) macs += 2 * I * H + H * I + H;
+  EXPECT_DOUBLE_EQ(bench::shared_expert_flops(T, H, I, true, true), 2.0 * macs);
+  EXPECT_DOUBLE_EQ(bench::shared_expert_flops(T, H, I, true, false), 2.0 * (macs - T * H));
+}
+
 TEST(BenchCounting, FlopsCountMultiplyAdds) {
   // Count multiply-adds of the two GEMMs of one pair with loops, then scale by the slots.
   const int64_t H = 48, I = 32;

@@ -304,7 +304,7 @@ TEST(Plan, ModelShapesAllTokenCounts) {
   const M models[] = {{3584, 384, 384, 8, true, ActivationType::Situ},   {2048, 768, 128, 8, true, ActivationType::Swiglu},
                       {2048, 192, 128, 8, true, ActivationType::Swiglu}, {7168, 2048, 32, 8, true, ActivationType::Swiglu},
                       {4096, 14336, 8, 2, true, ActivationType::Swiglu}, {2880, 2880, 128, 4, true, ActivationType::SwigluBias},
-                      {1040, 1040, 16, 4, false, ActivationType::Relu2}};
+                      {2048, 512, 512, 10, true, ActivationType::Swiglu}, {1040, 1040, 16, 4, false, ActivationType::Relu2}};
   for (const M& m : models)
     for (int64_t T = 0; T <= 65536; T = T < 16 ? T + 1 : T * 2 + (T % 3)) {
       for (int mode = 0; mode < 2; ++mode) {

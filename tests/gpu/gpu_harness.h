@@ -372,6 +372,18 @@ inline Errors compare(const std::vector<uint16_t>& y, const std::vector<double>&
   return e;
 }
 
+// check_device_errors must report a DeviceFault naming `argument`, then clear the flag.
+inline void expect_device_fault(const char* argument) {
+  try {
+    check_device_errors(0);
+    ADD_FAILURE() << "expected DeviceFault naming " << argument;
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::DeviceFault) << e.what();
+    EXPECT_EQ(e.argument(), argument) << e.what();
+  }
+  EXPECT_NO_THROW(check_device_errors(0)) << "the flag is cleared once reported";
+}
+
 // Number of elements still carrying the poison (0xffff): not written by the kernels.
 inline int64_t count_poison(const std::vector<uint16_t>& v) {
   int64_t n = 0;

@@ -196,3 +196,39 @@ def test_refuses_model_without_moe_blocks():
     with pytest.raises(fp4moe.Fp4MoeError) as ei:
         fp4moe.hf.swap_moe_blocks(torch.nn.Linear(4, 4))
     assert ei.value.argument == "model"
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen2_moe"])
+@pytest.mark.parametrize("quantize", [False, True])
+def test_gated_shared_expert_block(arch, quantize):
+    """A Qwen3-Next / Qwen2-MoE block (routed experts + shared expert scaled by sigmoid(shared_expert_gate(x))) swapped
+    and run by the fused op, against transformers' own block."""
+    if arch == "qwen3_next":
+        mod = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+        cfg = transformers.Qwen3NextConfig(hidden_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                           num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)
+        block = mod.Qwen3NextSparseMoeBlock(cfg)
+    else:
+        mod = pytest.importorskip("transformers.models.qwen2_moe.modeling_qwen2_moe")
+        cfg = transformers.Qwen2MoeConfig(hidden_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                          num_experts=4, num_experts_per_tok=2, norm_topk_prob=False)
+        block = mod.Qwen2MoeSparseMoeBlock(cfg)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # bf16-representable weights, so that only the op's roundings differ
+        for p in block.parameters():
+            p.copy_((torch.randn(p.shape, generator=g) * 0.2).to(torch.bfloat16).float())
+    model = torch.nn.ModuleDict({"layers": torch.nn.ModuleList([torch.nn.ModuleDict({"mlp": block})])}).eval()
+    h = torch.randn(2, 5, 64, generator=g).to(torch.bfloat16).float()
+    with torch.no_grad():
+        swap = fp4moe.hf.swap_moe_blocks(model, quantize=quantize, write_back=quantize)
+        new = swap.blocks["layers.0.mlp"]
+        assert new.shared_expert is not None and tuple(new.shared_expert_gate.shape) == (1, 64)
+        ours = new(h)
+        swap.restore()
+        ref = block(h)  # with write_back: the decoded NVFP4 weights
+        shared = block.shared_expert(h.reshape(-1, 64)).reshape(h.shape)
+    err = (ours - ref).abs().max().item()
+    assert err <= 0.03 * ref.abs().max().item() + 1e-6, err
+    # The gate matters: the shared expert with weight 1 is farther than the tolerance.
+    gate_effect = (shared * (1 - torch.sigmoid(block.shared_expert_gate(h)))).abs().max().item()
+    assert gate_effect > 5 * err

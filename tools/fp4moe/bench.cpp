@@ -143,6 +143,12 @@ int run_bench_cuda(const Options& o) {
       c.alpha = DeviceBuffer::from(L.alpha);
       c.beta = DeviceBuffer::from(L.beta);
       if (!L.clamp.empty()) c.clamp = DeviceBuffer::from(L.clamp);
+      if (s.shared_I > 0) {
+        SyntheticLayer S = make_synthetic_shared_expert(s, s.shared_I, 3000 + si, o.format);
+        c.shared = prepare_weights(S.desc(), Backend::CUDA, o.device);
+        // A gate of std 0.05: with N(0, 1) x the logits x . g spread ~2.3 over H = 2048, gates from ~0.1 to ~0.9.
+        if (s.shared_gate) c.shared_gate = DeviceBuffer::from(random_bf16(s.H, 4000 + si, 0.05f));
+      }
       // Only the layouts of the chosen cases are probed and loaded (a probe's kernels would show up in a profile).
       bool want_fused = false, want_shared = false;
       if (o.lora)

@@ -49,6 +49,11 @@ inline int64_t expert_weight_bytes(WeightFormat format, int64_t H, int64_t I, bo
   return nvfp4_matrix_bytes(N1, H) + (gated ? 2 : 1) * 4 + nvfp4_matrix_bytes(H, I) + 4;
 }
 
+// The shared expert every token runs (E = 1, intermediate size I), with its bf16 gate vector [H] when gated.
+inline int64_t shared_expert_bytes(WeightFormat format, int64_t H, int64_t I, bool gated, bool with_gate) {
+  return expert_weight_bytes(format, H, I, gated) + (with_gate ? 2 * H : 0);
+}
+
 // bf16 bytes of one (adapter, expert) pair of a PEFT-fused rank-r adapter: A1 [r, H], B1 [N1, r],
 // A2 [r, I], B2 [H, r].
 inline int64_t lora_pair_bytes(int64_t H, int64_t I, bool gated, int64_t r) {
@@ -70,6 +75,10 @@ inline int64_t lora_shared_outer_pair_bytes(int64_t I, bool gated, int64_t r) {
 inline double base_flops(int64_t local_slots, int64_t H, int64_t I, bool gated) {
   const double N1 = gated ? 2.0 * I : double(I);
   return 2.0 * double(local_slots) * (N1 * double(H) + double(H) * double(I));
+}
+// The shared expert on T tokens: its two GEMMs, and the gate's dot product x . g when gated.
+inline double shared_expert_flops(int64_t T, int64_t H, int64_t I, bool gated, bool with_gate) {
+  return base_flops(T, H, I, gated) + (with_gate ? 2.0 * double(T) * double(H) : 0.0);
 }
 // LoRA on top: shrink and expand of both projections, for every adapted (token, slot) pair.
 inline double lora_flops(int64_t adapted_slots, int64_t H, int64_t I, bool gated, int64_t r) {

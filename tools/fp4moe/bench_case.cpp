@@ -43,6 +43,8 @@ MoeArgs make_args(const ShapeCtx& c, int64_t T, const void* x, const void* logit
     a.fc1_input_scale = 1.f / 448.f;
     a.fc2_input_scale = 12.f / (448.f * 6.f);
   }
+  if (c.shared.valid()) a.shared_expert = &c.shared;
+  if (c.shared_gate.get()) a.shared_expert_gate = make_view(c.shared_gate.get(), DType::BF16, {s.H}, Backend::CUDA, dev);
   if (lora) {
     a.adapters = c.adapters(*lora).registry.get();
     a.adapter_ids = make_view(c.adapter_ids[static_cast<size_t>(*lora)].get(), DType::I32, {T}, Backend::CUDA, dev);
@@ -236,6 +238,10 @@ CaseResult run_case(Device& d, ShapeCtx& c, const Pools& pools, int64_t T, std::
     r.flops += bench::lora_touched_flops(t, shared_outer, s.H, s.I, c.gated, kLoraRank) / sets;
   }
   r.weight_bytes = r.touched_experts * per_expert;
+  if (c.shared.valid()) {  // every token runs the shared expert (and its gate)
+    r.weight_bytes += double(bench::shared_expert_bytes(o.format, s.H, s.shared_I, c.gated, s.shared_gate));
+    r.flops += bench::shared_expert_flops(T, s.H, s.shared_I, c.gated, s.shared_gate);
+  }
   r.io = bench::io_bytes(T, s.H, c.E_total, r.lora);
   return r;
 }

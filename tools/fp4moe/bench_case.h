@@ -72,6 +72,8 @@ struct ShapeCtx {
   int64_t E_loc = 0, E_total = 0;
   bool gated = true;
   MoeWeights w;
+  MoeWeights shared;          // the shape's shared expert (ModelShape::shared_I > 0), else not valid()
+  DeviceBuffer shared_gate;   // its bf16 gate [H] (ModelShape::shared_gate)
   DeviceBuffer alpha, beta, clamp, bias;
   std::vector<float> bias_host;
   AdapterSet peft_fused, shared_outer;

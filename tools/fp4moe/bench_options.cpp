@@ -17,7 +17,7 @@ int usage() {
   std::fputs(
       "usage: fp4moe bench [options]\n"
       "  --shapes a,b        model shapes of SPEC §1 (default: all): kimi_k3_tp8, qwen3_30b_a3b, qwen3_30b_a3b_tp4,\n"
-      "                      deepseek_v3_ep8, mixtral_8x7b, gpt_oss_120b\n"
+      "                      deepseek_v3_ep8, mixtral_8x7b, gpt_oss_120b, qwen3_next_80b_a3b (gated shared expert)\n"
       "  --tokens 1,64       token counts (default 1,8,64,256,1024,4096,16384)\n"
       "  --runs N            timed replays per case, at least (default 50; the median needs >= 50 to be reported\n"
       "                      as the suite's number)\n"
