@@ -227,8 +227,6 @@ MoeWeights prepare_weights(const WeightsDesc& d, Backend backend, int device_id)
   p->bias2 = read_bias(d.bias2, "bias2", E, H);
 
 #ifdef FP4MOE_WITH_CUDA
-  if (backend == Backend::CUDA && p->format == WeightFormat::MXFP4)
-    throw Error(ErrorCode::Unsupported, "format", "MXFP4 weights run on the CPU backend (the CUDA GEMMs have no E8M0 decode yet)");
   if (backend == Backend::CUDA) p->device = cuda_backend::prepare_device_weights(*p);
 #endif
   return MoeWeights(std::move(p));
