@@ -1,6 +1,7 @@
 // MoE layers read straight from checkpoint directories (safetensors shards, model.safetensors.index.json,
 // config.json, hf_quant_config.json): ModelOpt NVFP4 / W4A16_NVFP4 / MIXED_PRECISION and compressed-tensors
-// nvfp4-pack-quantized per-expert tensors, and experts left in bf16 by the quantizer's ignore list. The
+// nvfp4-pack-quantized per-expert tensors, gpt-oss's MXFP4 fused experts (quant_method "mxfp4": *_blocks,
+// *_scales, *_bias, gate and up rows interleaved), and experts left in bf16 by the quantizer's ignore list. The
 // format is read from the files, never guessed; only the tensors of the layer asked for are read.
 // docs/checkpoints.md lists the names and what is refused. (The Python loader, fp4moe.checkpoint, also
 // reads GPT-OSS-style fused bf16 experts.)
@@ -18,7 +19,7 @@ namespace fp4moe {
 struct CheckpointOptions {
   Backend backend = Backend::CPU;  // where load_moe_layer prepares the weights
   int device_id = 0;
-  int tp_rank = 0, tp_world = 1;   // this rank's I/tp_world intermediate rows (a multiple of 16)
+  int tp_rank = 0, tp_world = 1;   // this rank's I/tp_world intermediate rows (a multiple of 16; 32 for MXFP4)
   int ep_rank = 0, ep_world = 1;   // this rank's experts (expert_window of parallel.h)
   bool shared_expert = true;       // read the shared expert when the layer has one (under EP: rank 0 only)
 };
@@ -28,6 +29,7 @@ struct CheckpointOptions {
 struct CheckpointRouter {
   std::vector<float> weight;                   // [E, H], empty when the checkpoint has none
   std::vector<float> e_score_correction_bias;  // [E] (DeepSeek-V3 selection bias), or empty
+  std::vector<float> bias;                     // [E] added to the logits (gpt-oss's router.bias), or empty
   bool has_routing_method = false;
   RoutingMethod routing_method = RoutingMethod::Renormalize;
   int64_t top_k = 0, num_experts = 0, n_group = 1, topk_group = 1;
@@ -39,7 +41,8 @@ struct CheckpointLayer {
   std::string architecture;    // "Qwen3-MoE", "Mixtral", "DeepSeek-V3", ...
   std::string quantization;    // the checkpoint's quantization config, in words
   WeightFormat format = WeightFormat::NVFP4;
-  OwnedWeights routed;         // this rank's experts as read (linear scales, gate rows first)
+  OwnedWeights routed;         // this rank's experts as read (linear scales, gate rows first; MXFP4 codes and
+                               // E8M0 scales as in the file, rows reordered)
   bool has_shared = false;
   OwnedWeights shared;         // E = 1
   // The shared expert's sigmoid gate (Qwen2-MoE, Qwen3-Next `shared_expert_gate.weight`), bf16 [H], converted from

@@ -17,6 +17,8 @@ namespace fp4moe {
 //   NVFP4: w1 u8 [E, N1, H/2], w1_scale e4m3(u8) [E, N1, H/16] (Linear) or [E, swizzled_size(N1, H/16)]
 //          (Swizzled128x4, per expert), w1_scale2 f32 [E] or [E, 2] (per half: the weights' half order);
 //          w2 u8 [E, H, I/2], w2_scale [E, H, I/16] or swizzled, w2_scale2 f32 [E].
+//   MXFP4: w1 u8 [E, N1, H/2], w1_scale e8m0 (u8) [E, N1, H/32], w2 u8 [E, H, I/2], w2_scale [E, H, I/32]
+//          (Linear only; no global scale: w1_scale2, w2_scale2 absent); H and I multiples of 32.
 //   BF16:  w1 bf16 [E, N1, H], w2 bf16 [E, H, I] (scales absent).
 //   bias1 f32 [E, N1] and bias2 f32 [E, H], optional, real units.
 // Tensors may live on the host or on the CUDA device; prepare copies what it needs.

@@ -25,6 +25,9 @@ inline uint8_t nibble(const uint8_t* packed, int64_t i) {
   return static_cast<uint8_t>((packed[i >> 1] >> ((i & 1) * 4)) & 0xf);
 }
 
+// The largest finite |x[i]| of n values (0 when none); *non_finite is set when one is NaN or +-Inf.
+float block_amax(const float* x, int n, bool* non_finite);
+
 // Encode scale for a tensor whose absolute maximum is amax: gs = 448*6/amax (amax==0 -> 1; NaN/+Inf amax -> NaN).
 float global_encode_scale(float amax);
 

@@ -14,9 +14,9 @@ struct SyntheticLayer {
   bool gated = true;
   WeightFormat format = WeightFormat::NVFP4;
   GateUpOrder order = GateUpOrder::GateFirst;
-  std::vector<uint8_t> w1, w1_sf, w2, w2_sf;  // NVFP4 (linear scales)
+  std::vector<uint8_t> w1, w1_sf, w2, w2_sf;  // NVFP4 (linear scales) or MXFP4 (e8m0 scales)
   std::vector<uint16_t> w1_bf16, w2_bf16;      // BF16
-  std::vector<float> w1_s2, w2_s2;             // [E, 2] per half, [E]
+  std::vector<float> w1_s2, w2_s2;             // NVFP4: [E, 2] per half, [E]
   std::vector<float> bias1, bias2;             // empty unless with_bias
   std::vector<float> alpha, beta, clamp;       // [E] activation parameters (empty = defaults)
   WeightsDesc desc();                          // views into this object's storage

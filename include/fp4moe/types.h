@@ -26,7 +26,10 @@ const char* to_string(ActivationType a);
 
 enum class GateUpOrder : int32_t { GateFirst = 0, UpFirst = 1 };
 enum class ActMode : int32_t { A16 = 0, A4 = 1 };
-enum class WeightFormat : int32_t { NVFP4 = 0, BF16 = 1 };
+// MXFP4: E2M1 values with one E8M0 power-of-two scale per 32 along K and no global scale (SPEC §2).
+enum class WeightFormat : int32_t { NVFP4 = 0, BF16 = 1, MXFP4 = 2 };
+// The formats whose weights are 4-bit E2M1 codes (decoded inside the GEMMs).
+constexpr bool is_fp4(WeightFormat f) { return f == WeightFormat::NVFP4 || f == WeightFormat::MXFP4; }
 enum class ScaleLayout : int32_t { Linear = 0, Swizzled128x4 = 1 };
 enum class Backend : int32_t { CPU = 0, CUDA = 1 };
 // Fp32: the SPEC's numerics (fp32 accumulation, bf16 roundings where the SPEC puts them).

@@ -15,7 +15,7 @@ from ._enums import (ActivationType, RoutingMethod, GateUpOrder, GemmTile, LoraL
 from . import _loader  # loads and checks the extension; raises ImportError when it is missing or mismatched
 from ._api import (AdapterRegistry, MoeWeights, build_info, check_device_errors, dequantize_weights,
                    from_hf_experts, list_peft_expert_modules, moe, object_of_handle, peft_expert_matrices,
-                   prepare_bf16_weights, prepare_weights, quantize_weights, read_peft_experts_lora, route,
+                   prepare_bf16_weights, prepare_mxfp4_weights, prepare_weights, quantize_weights, read_peft_experts_lora, route,
                    workspace_size)
 
 _CHECKPOINT_NAMES = ("MoeLayer", "inspect_checkpoint", "load_moe_layer", "read_moe_layer")
@@ -35,6 +35,6 @@ __all__ = [
     "MoeWeights", "RoutingMethod", "ScaleLayout", "WeightFormat", "build_info", "check_device_errors",
     "dequantize_weights", "from_hf_experts", "inspect_checkpoint", "list_peft_expert_modules",
     "load_moe_layer", "moe", "MoeLayer", "read_moe_layer", "object_of_handle",
-    "peft_expert_matrices", "prepare_bf16_weights", "prepare_weights", "quantize_weights",
+    "peft_expert_matrices", "prepare_bf16_weights", "prepare_mxfp4_weights", "prepare_weights", "quantize_weights",
     "read_peft_experts_lora", "route", "workspace_size",
 ]

@@ -169,6 +169,26 @@ def prepare_bf16_weights(w1, w2, *, gate_up_order=None, activation=None, gated=N
     return MoeWeights(native, dev, act)
 
 
+def prepare_mxfp4_weights(w1, w1_scale, w2, w2_scale, *, gate_up_order=None, activation=None, gated=None,
+                          bias1=None, bias2=None, device=None) -> MoeWeights:
+    """Prepares MXFP4 expert weights (SPEC §2): E2M1 codes packed as NVFP4's, one E8M0 scale per 32 along K, no
+    global scale.
+
+    w1 uint8 [E, N1, H/2], w1_scale uint8 [E, N1, H/32], w2 uint8 [E, H, I/2], w2_scale uint8 [E, H, I/32]; gpt-oss's
+    `*_blocks` [E, N, K/32, 16] reshape to the packed form as they are. H and I are multiples of 32.
+    """
+    act, gated, order = _gated_and_order(activation, gate_up_order, gated)
+    E, n1, h2 = require_ndim(w1, "w1", 3, "[E, N1, H/2] uint8")
+    w2s = require_ndim(w2, "w2", 3, "[E, H, I/2] uint8")
+    H, I = 2 * h2, 2 * w2s[2]
+    dev = _parse_device(device, device_of(w1, _describe))
+    tensors = {"w1": as_arg(w1, "w1"), "w1_scale": as_arg(w1_scale, "w1_scale"), "w2": as_arg(w2, "w2"),
+               "w2_scale": as_arg(w2_scale, "w2_scale"), "bias1": as_arg(bias1, "bias1"),
+               "bias2": as_arg(bias2, "bias2")}
+    native = _prepare_native(tensors, WeightFormat.MXFP4, order, ScaleLayout.Linear, gated, E, H, I, dev)
+    return MoeWeights(native, dev, act)
+
+
 def quantize_weights(w1, w2, *, gate_up_order=None, activation=None, gated=None, format="nvfp4",
                      per_half_scale2=True, scale_layout="linear", bias1=None, bias2=None) -> dict:
     """Dense float32/bfloat16 expert weights -> NVFP4 (SPEC §2) through the C++ quantizer.
@@ -176,7 +196,8 @@ def quantize_weights(w1, w2, *, gate_up_order=None, activation=None, gated=None,
     w1 [E, N1, H], w2 [E, H, I] (device tensors are copied to the host). Returns NumPy arrays with the
     keys prepare_weights takes (w1, w1_scale (float8_e4m3fn), w1_scale2, w2, w2_scale, w2_scale2 and
     bias1/bias2 when given), so `prepare_weights(**q, gate_up_order=...)` prepares them. With
-    format='bf16' the keys are w1 and w2 (bfloat16), for prepare_bf16_weights.
+    format='bf16' the keys are w1 and w2 (bfloat16), for prepare_bf16_weights; with format='mxfp4' w1, w1_scale,
+    w2, w2_scale (E8M0 codes, uint8; triton_kernels' scale rule, SPEC §2) for prepare_mxfp4_weights.
     """
     _act, gated, order = _gated_and_order(activation, gate_up_order, gated)
     fmt = parse_enum(WeightFormat, format, "format", FORMAT_ALIASES)
@@ -191,7 +212,7 @@ def quantize_weights(w1, w2, *, gate_up_order=None, activation=None, gated=None,
         if E4M3 is not None:
             out["w1_scale"] = out["w1_scale"].view(E4M3)
             out["w2_scale"] = out["w2_scale"].view(E4M3)
-    elif BF16 is not None:
+    elif fmt == WeightFormat.BF16 and BF16 is not None:
         out["w1"] = out["w1"].view(BF16)
         out["w2"] = out["w2"].view(BF16)
     return out

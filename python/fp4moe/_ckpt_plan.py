@@ -147,11 +147,45 @@ def _fmt_name(lin) -> str:
     return "NVFP4" if lin.fmt == "nvfp4" else lin.weight.dtype
 
 
+def _plan_mxfp4(ck: Checkpoint, base: str, layout: str, gated: bool) -> _ExpertsPlan:
+    """gpt-oss's MXFP4 experts: `*_blocks` U8 [E, N, K/32, 16] (E2M1 pairs, element 2i in the low nibble),
+    `*_scales` U8 [E, N, K/32] (E8M0), `*_bias` [E, N]; gate_up rows N = 2I interleaved (gate j at 2j, up j at
+    2j+1) unless fused_layout='gpt_oss_blocked'."""
+    gu, dn = base + "gate_up_proj", base + "down_proj"
+    if ck.quant.method != "mxfp4":
+        raise _fail(f"{ck.file_of(gu + '_blocks')}: tensor '{gu}_blocks' is MXFP4 but {ck.quant.source} says "
+                    f"{ck.quant.describe()} (MXFP4 experts need quantization_config.quant_method 'mxfp4')")
+    if not layout.startswith("gpt_oss"):
+        raise _fail(f"{ck.file_of(gu + '_blocks')}: tensor '{gu}_blocks': MXFP4 experts are gpt-oss's; "
+                    f"fused_layout={layout!r} does not apply", ErrorCode.Unsupported)
+    dt, sh = ck.meta(gu + "_blocks")
+    if len(sh) != 4 or sh[3] != 16:
+        raise _fail(f"{ck.file_of(gu + '_blocks')}: tensor '{gu}_blocks': expected [E, 2I, H/32, 16], got {list(sh)}")
+    E, n1, H = sh[0], sh[1], 32 * sh[2]
+    I = n1 // 2 if gated else n1
+    dsh = ck.meta(dn + "_blocks")[1]
+    if len(dsh) != 4 or dsh[0] != E or dsh[1] != H:
+        raise _fail(f"{ck.file_of(dn + '_blocks')}: tensor '{dn}_blocks': expected [{E}, {H}, I/32, 16] to match "
+                    f"'{gu}_blocks' {list(sh)}, got {list(dsh)}")
+    if 32 * dsh[2] != I:
+        raise _fail(f"{ck.file_of(dn + '_blocks')}: tensor '{dn}_blocks': I={32 * dsh[2]} differs from the I={I} of "
+                    f"'{gu}_blocks' {list(sh)}")
+    refs = {"w1": ck.tensor(gu + "_blocks", ("U8",), (E, n1, H // 32, 16)),
+            "w1_scale": ck.tensor(gu + "_scales", ("U8",), (E, n1, H // 32), f" to match '{gu}_blocks'"),
+            "w2": ck.tensor(dn + "_blocks", ("U8",), (E, H, I // 32, 16)),
+            "w2_scale": ck.tensor(dn + "_scales", ("U8",), (E, H, I // 32), f" to match '{dn}_blocks'")}
+    for key, name, shape in (("bias1", gu + "_bias", (E, n1)), ("bias2", dn + "_bias", (E, H))):
+        refs[key] = ck.tensor(name, _FLOAT_DTYPES, shape) if ck.has(name) else None
+    return _ExpertsPlan("mxfp4", gated, E, H, I, [], refs, layout)
+
+
 def _plan_fused(ck: Checkpoint, base: str, layout: str, gated: bool) -> _ExpertsPlan:
     gu = base + "gate_up_proj"
     if ck.has(gu + "_blocks"):
-        raise _fail(f"{ck.file_of(gu + '_blocks')}: tensor '{gu}_blocks' is MXFP4 (GPT-OSS release); fp4moe reads "
-                    f"NVFP4 or bf16 experts", ErrorCode.Unsupported)
+        return _plan_mxfp4(ck, base, layout, gated)
+    if ck.quant.method == "mxfp4":
+        raise _fail(f"{ck.file_of(gu)}: tensor '{gu}': {ck.quant.source} says MXFP4 but the experts are not "
+                    f"'{gu}_blocks' / '_scales'")
     dt, sh = ck.meta(gu)
     if dt not in _FLOAT_DTYPES:
         raise _fail(f"{ck.file_of(gu)}: tensor '{gu}': fused expert tensors are read in BF16/F16/F32, got {dt} "

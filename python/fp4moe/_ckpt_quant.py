@@ -15,7 +15,7 @@ from ._ckpt_files import _FLOAT_DTYPES, Checkpoint, ErrorCode, _fail, _TensorRef
 
 @dataclass
 class _QuantConfig:
-    method: str          # "modelopt" | "compressed-tensors" | "none"
+    method: str          # "modelopt" | "compressed-tensors" | "mxfp4" | "none"
     algo: str            # ModelOpt quant_algo ("NVFP4", "W4A16_NVFP4", "MIXED_PRECISION") or the CT format
     source: str          # the file it was read from
     a4: bool = False     # activations quantized to NVFP4 too (W4A4)
@@ -42,8 +42,12 @@ class _QuantConfig:
             return _QuantConfig._modelopt(qc.get("quantization", qc), src)
         if method == "compressed-tensors":
             return _QuantConfig._compressed_tensors(qc, src)
+        if method == "mxfp4":  # gpt-oss: the fused experts' *_blocks / *_scales, everything else unquantized
+            return _QuantConfig("mxfp4", "MXFP4", src, False,
+                                [str(x) for x in (qc.get("modules_to_not_convert") or [])])
         raise _fail(f"{src}: unknown quantization config quant_method={qc.get('quant_method')!r} (fp4moe reads "
-                    f"'modelopt' NVFP4 and 'compressed-tensors' nvfp4-pack-quantized)", ErrorCode.Unsupported)
+                    f"'modelopt' NVFP4, 'compressed-tensors' nvfp4-pack-quantized and 'mxfp4' gpt-oss experts)",
+                    ErrorCode.Unsupported)
 
     @staticmethod
     def _modelopt(q, src) -> "_QuantConfig":
@@ -100,11 +104,13 @@ class _QuantConfig:
     def describe(self) -> str:
         if self.method == "none":
             return "none (unquantized)"
+        if self.method == "mxfp4":
+            return "mxfp4 (W4A16)"
         return f"{self.method} {self.algo}" + (" (W4A4)" if self.a4 else " (W4A16)")
 
     def quantized(self, module: str) -> bool:
         """Whether the config says `module` (a linear's name, without .weight) is NVFP4."""
-        if self.method == "none":
+        if self.method in ("none", "mxfp4"):  # mxfp4 quantizes only gpt-oss's fused experts
             return False
         if self.method == "modelopt":
             if any(_modelopt_excludes(p, module) for p in self.exclude):

@@ -26,14 +26,14 @@ def _window(E: int, ep) -> tuple[int, int]:
     return rank * base + min(rank, extra), base + (1 if rank < extra else 0)
 
 
-def _tp_slices(I: int, tp) -> tuple[int, int]:
+def _tp_slices(I: int, tp, block: int = 16) -> tuple[int, int]:
     if tp is None:
         return 0, I
     rank, world = (int(v) for v in tp)
     if world < 1 or not 0 <= rank < world:
         raise error("tp", f"expected (rank, world) with 0 <= rank < world, got {tuple(tp)}")
-    if I % world or (I // world) % 16:
-        raise error("tp", f"I={I} split over world={world} must give a multiple of 16 per rank")
+    if I % world or (I // world) % block:
+        raise error("tp", f"I={I} split over world={world} must give a multiple of {block} per rank")
     Is = I // world
     return rank * Is, Is
 
@@ -88,6 +88,42 @@ def _read_nvfp4(plan: _ExpertsPlan, experts: list, t0: int, ts: int, prog: _Prog
     return {"w1": w1, "w1_scale": s1, "w1_scale2": g1, "w2": w2, "w2_scale": s2, "w2_scale2": g2}
 
 
+def _fused_rows(plan: _ExpertsPlan, t0: int, ts: int) -> np.ndarray:
+    """The rows of a fused gate_up tensor that make this rank's W1, gate rows first: gpt-oss interleaves the halves
+    (gate j at row 2j, up j at 2j+1), gpt_oss_blocked and transformers 5 keep them in blocks."""
+    I = plan.I
+    if not plan.gated:
+        return np.arange(t0, t0 + ts)
+    if plan.fused_layout == "gpt_oss_interleaved":
+        gate_rows, up_rows = np.arange(0, 2 * I, 2), np.arange(1, 2 * I, 2)
+    else:
+        gate_rows, up_rows = np.arange(I), np.arange(I, 2 * I)
+    return np.concatenate([gate_rows[t0:t0 + ts], up_rows[t0:t0 + ts]])
+
+
+def _read_biases(f: dict, es: slice, sel: np.ndarray, rank0: bool, out: dict) -> dict:
+    if f["bias1"] is not None:
+        out["bias1"] = np.ascontiguousarray(f["bias1"].read((es,)).astype(np.float32)[:, sel])
+    if f["bias2"] is not None and rank0:
+        out["bias2"] = np.ascontiguousarray(f["bias2"].read((es,)).astype(np.float32))
+    return out
+
+
+def _read_mxfp4(plan: _ExpertsPlan, e0: int, ne: int, t0: int, ts: int, rank0: bool, prog: _Progress) -> dict:
+    """prepare_mxfp4_weights arguments of experts [e0, e0+ne), TP rows [t0, t0+ts) (whole blocks of 32): the
+    codes and E8M0 scales as they are in the file, rows reordered gate first, W2's columns cut at block edges."""
+    f, H = plan.fused, plan.H
+    es = slice(e0, e0 + ne)
+    sel = _fused_rows(plan, t0, ts)
+    cols = slice(t0 // 32, (t0 + ts) // 32)
+    out = {"w1": np.ascontiguousarray(f["w1"].read((es,))[:, sel].reshape(ne, len(sel), H // 2)),
+           "w1_scale": np.ascontiguousarray(f["w1_scale"].read((es,))[:, sel]),
+           "w2": np.ascontiguousarray(f["w2"].read((es, slice(None), cols)).reshape(ne, H, ts // 2)),
+           "w2_scale": np.ascontiguousarray(f["w2_scale"].read((es, slice(None), cols)))}
+    prog.add(plan.nbytes * ne * ts // max(plan.E * plan.I, 1))
+    return _read_biases(f, es, sel, rank0, out)
+
+
 def _a4_scales(quant, plan: _ExpertsPlan) -> tuple[str, Optional[str], float, float]:
     """(mode, why not A4 or None, fc1_input_scale, fc2_input_scale) of a layer. The operator takes one per-tensor
     input scale per GEMM for all experts: the largest over every expert of the layer, as vLLM's and SGLang's NVFP4
@@ -99,6 +135,8 @@ def _a4_scales(quant, plan: _ExpertsPlan) -> tuple[str, Optional[str], float, fl
     in2 = [e[2].read_input_scale() for e in plan.experts if e[2].input_scale is not None]
     fc1, fc2 = (float(max(in1)) if in1 else 0.0), (float(max(in2)) if in2 else 0.0)
     missing = [l.input_name for l in lins if l.fmt == "nvfp4" and l.input_scale is None]
+    if plan.fmt == "mxfp4":
+        return "a16", "MXFP4 experts run in A16 (SPEC §2)", fc1, fc2
     if plan.fmt != "nvfp4":
         return "a16", "the experts are not quantized", fc1, fc2
     if not quant.a4:
@@ -122,22 +160,13 @@ def _read_bf16(plan: _ExpertsPlan, experts: list, e0: int, ne: int, t0: int, ts:
         es = slice(e0, e0 + ne)
         if plan.fused_layout.startswith("gpt_oss"):
             gu = f["gate_up"].read((es,)).transpose(0, 2, 1)  # [E, 2I, H] in the file's column order
-            if plan.fused_layout == "gpt_oss_interleaved":  # columns g0 u0 g1 u1 ...
-                gate_rows, up_rows = np.arange(0, 2 * I, 2), np.arange(1, 2 * I, 2)
-            else:
-                gate_rows, up_rows = np.arange(I), np.arange(I, 2 * I)
             dn = f["down"].read((es,)).transpose(0, 2, 1)
         else:
             gu = f["gate_up"].read((es,))
-            gate_rows, up_rows = np.arange(I), np.arange(I, 2 * I)
             dn = f["down"].read((es,))
-        sel = np.concatenate([gate_rows[t0:t0 + ts], up_rows[t0:t0 + ts]]) if plan.gated else np.arange(t0, t0 + ts)
-        out = {"w1": np.ascontiguousarray(_to_bf16(gu[:, sel])),
-               "w2": np.ascontiguousarray(_to_bf16(dn[:, :, t0:t0 + ts]))}
-        if f["bias1"] is not None:
-            out["bias1"] = np.ascontiguousarray(f["bias1"].read((es,)).astype(np.float32)[:, sel])
-        if f["bias2"] is not None and rank0:
-            out["bias2"] = np.ascontiguousarray(f["bias2"].read((es,)).astype(np.float32))
+        sel = _fused_rows(plan, t0, ts)
+        out = _read_biases(f, es, sel, rank0, {"w1": np.ascontiguousarray(_to_bf16(gu[:, sel])),
+                                               "w2": np.ascontiguousarray(_to_bf16(dn[:, :, t0:t0 + ts]))})
         prog.add(plan.nbytes * ne * ts // max(plan.E * I, 1))
         return out
     E = len(experts)

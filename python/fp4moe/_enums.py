@@ -56,6 +56,7 @@ class ActMode(enum.IntEnum):
 class WeightFormat(enum.IntEnum):
     NVFP4 = 0
     BF16 = 1
+    MXFP4 = 2
 
 
 class ScaleLayout(enum.IntEnum):
@@ -136,7 +137,7 @@ def parse_enum(enum_cls: type[enum.IntEnum], value, argument: str, aliases: dict
 GATE_UP_ORDER_ALIASES = {"gatefirst": 0, "upfirst": 1, "gateup": 0, "upgate": 1}
 MODE_ALIASES = {"a16": 0, "w4a16": 0, "a4": 1, "w4a4": 1}
 SCALE_LAYOUT_ALIASES = {"linear": 0, "swizzled": 1, "swizzled128x4": 1, "128x4": 1}
-FORMAT_ALIASES = {"nvfp4": 0, "fp4": 0, "bf16": 1, "bfloat16": 1}
+FORMAT_ALIASES = {"nvfp4": 0, "fp4": 0, "bf16": 1, "bfloat16": 1, "mxfp4": 2}
 LORA_LAYOUT_ALIASES = {"perexpert": 0, "sglang": 0, "vllm": 0, "peftfused": 1, "peft": 1, "fused": 1,
                        "sharedouter": 2}
 PRECISION_ALIASES = {"fp32": 0, "float32": 0, "fp64": 1, "float64": 1}

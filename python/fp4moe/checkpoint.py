@@ -25,7 +25,7 @@ import numpy as np
 
 from ._ckpt_files import ARG, Checkpoint, _Shard  # noqa: F401  (_Shard: for tests that rewrite shards)
 from ._ckpt_plan import _activation_of, _model_type, _plan_layer, moe_layers
-from ._ckpt_read import _check_layer, _Progress, _read_bf16, _read_nvfp4, _to_bf16, _tp_slices, _window
+from ._ckpt_read import _check_layer, _Progress, _read_bf16, _read_mxfp4, _read_nvfp4, _to_bf16, _tp_slices, _window
 from ._enums import ActivationType, RoutingMethod
 from ._errors import error
 from ._tensors import on_device
@@ -160,10 +160,10 @@ def read_moe_layer(checkpoint, layer: int, *, tp=None, ep=None, activation=None,
                    shared_expert: bool = True, progress=None) -> dict:
     """One MoE layer of a checkpoint as host NumPy arrays, before preparation (see load_moe_layer).
 
-    Returns {"format": "nvfp4" | "bf16", "routed": prepare_weights (or prepare_bf16_weights) keyword
-    arguments, "shared": the same for the shared expert or None, "shared_expert_gate": its sigmoid gate (bfloat16
-    [1, H], Qwen2-MoE / Qwen3-Next) or None, "router": Router, "activation": (type,
-    alpha, beta, clamp_limit), "mode", "mode_reason" (why A16, None in A4), "fc1_input_scale",
+    Returns {"format": "nvfp4" | "mxfp4" | "bf16", "routed": prepare_weights (prepare_mxfp4_weights,
+    prepare_bf16_weights) keyword arguments, "shared": the same for the shared expert or None,
+    "shared_expert_gate": its sigmoid gate (bfloat16 [1, H], Qwen2-MoE / Qwen3-Next) or None, "router": Router,
+    "activation": (type, alpha, beta, clamp_limit), "mode", "mode_reason" (why A16, None in A4), "fc1_input_scale",
     "fc2_input_scale", "architecture", "quantization", "num_experts", "local_expert_offset",
     "num_local_experts", "bytes_read", "seconds"}."""
     t_start = time.perf_counter()
@@ -174,7 +174,7 @@ def read_moe_layer(checkpoint, layer: int, *, tp=None, ep=None, activation=None,
         act, plan, routing = c.activation, c.plan, c.routing
         R = plan.routed
         e0, ne = _window(R.E, ep)
-        t0, ts = _tp_slices(R.I, tp)
+        t0, ts = _tp_slices(R.I, tp, 32 if R.fmt == "mxfp4" else 16)
         rank0 = tp is None or int(tp[0]) == 0
         sh_t = None
         if plan.shared is not None and shared_expert and (ep is None or int(ep[0]) == 0):  # EP: rank 0 (SPEC §8)
@@ -184,6 +184,8 @@ def read_moe_layer(checkpoint, layer: int, *, tp=None, ep=None, activation=None,
         local = R.experts[e0:e0 + ne]
         if R.fmt == "nvfp4":
             routed = _read_nvfp4(R, local, t0, ts, prog)
+        elif R.fmt == "mxfp4":
+            routed = _read_mxfp4(R, e0, ne, t0, ts, rank0, prog)
         else:
             routed = _read_bf16(R, local, e0, ne, t0, ts, rank0, prog)
         shared = gate = None
@@ -231,6 +233,8 @@ def load_moe_layer(checkpoint, layer: int, *, device="cpu", tp=None, ep=None, ac
     def prep(kw):
         if d["format"] == "nvfp4":
             return _api.prepare_weights(**kw, gate_up_order="gate_first", activation=act, device=device)
+        if d["format"] == "mxfp4":
+            return _api.prepare_mxfp4_weights(**kw, gate_up_order="gate_first", activation=act, device=device)
         return _api.prepare_bf16_weights(**kw, gate_up_order="gate_first", activation=act, device=device)
 
     weights = prep(d["routed"])

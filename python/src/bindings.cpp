@@ -260,6 +260,11 @@ nb::dict py_quantize_weights(const nb::dict& t, int format, int order, bool gate
     out["w2"] = numpy_from(std::move(q.w2), {E, H, I / 2});
     out["w2_scale"] = swz ? numpy_from(std::move(q.w2_scale), {E, s2}) : numpy_from(std::move(q.w2_scale), {E, H, I / 16});
     out["w2_scale2"] = numpy_from(std::move(q.w2_scale2), {E});
+  } else if (q.format == WeightFormat::MXFP4) {
+    out["w1"] = numpy_from(std::move(q.w1), {E, N1, H / 2});
+    out["w1_scale"] = numpy_from(std::move(q.w1_scale), {E, N1, H / 32});
+    out["w2"] = numpy_from(std::move(q.w2), {E, H, I / 2});
+    out["w2_scale"] = numpy_from(std::move(q.w2_scale), {E, H, I / 32});
   } else {
     out["w1"] = numpy_from(std::move(q.w1_bf16), {E, N1, H});  // bf16 bits (uint16)
     out["w2"] = numpy_from(std::move(q.w2_bf16), {E, H, I});

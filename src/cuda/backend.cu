@@ -572,7 +572,7 @@ void run(const PreparedWeights& w, const MoeArgs& args, const AdapterSnapshot& a
       w, args, adapters, dw, sw, s, plan, lora, a4,
       // A4 without LoRA (whose shrink reads a before the rounding) on a tile that can: GEMM1 writes a's NVFP4
       // values itself (one launch less; the same bits, gemm/epilogue_a4.cuh).
-      a4 && !lora && gemm_a4_fusable(plan.gemm_config, s.activation, w.format == WeightFormat::NVFP4),
+      a4 && !lora && gemm_a4_fusable(plan.gemm_config, s.activation, is_fp4(w.format)),
       // y: bf16 (one rounding in the combine) or f32 (the unrounded sum; moe_run_tp / moe_run_ep partials).
       args.y.dtype == DType::F32, err, stream, lora_table,
       lora ? shrink1_max_items(adapters, sw, s.k, plan) : 1, defaults,

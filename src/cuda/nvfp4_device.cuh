@@ -34,13 +34,16 @@ __device__ __forceinline__ uint32_t bf16x2_mul_hi(uint32_t a, uint32_t p) {
 }
 
 // One row's prepared 64-K block for quad lane t (format/nvfp4_prepared.h): w[s][h] = the bf16x2 weights
-// (k = 16 s + 2t + 8h, k + 1) times 2^-8, exact. raw: the lane's 8 value bytes; k4: the row's 4 scale bytes.
+// (k = 16 s + 2t + 8h, k + 1) times 2^-8, exact. raw: the lane's 8 value bytes; k4: the row's 4 scale bytes
+// (E4M3 codes as prepared, or with MX the E8M0 codes of MXFP4, each twice).
+template <bool MX = false>
 __device__ __forceinline__ void fp4_row_fragments(uint2 raw, uint32_t k4, uint32_t w[4][2]) {
   namespace pf = nvfp4_prepared;
   uint32_t d0[4], d1[4];
   pf::decode_slots(raw.x, d0);
   pf::decode_slots(raw.y, d1);
-  const uint32_t p01 = pf::scale_pair(k4, 0), p23 = pf::scale_pair(k4, 2);
+  const uint32_t p01 = MX ? pf::mx_scale_pair(k4, 0) : pf::scale_pair(k4, 0);
+  const uint32_t p23 = MX ? pf::mx_scale_pair(k4, 2) : pf::scale_pair(k4, 2);
   w[0][0] = bf16x2_mul_lo(d0[0], p01);
   w[0][1] = bf16x2_mul_lo(d0[1], p01);
   w[1][0] = bf16x2_mul_hi(d0[2], p01);

@@ -23,13 +23,14 @@ template <class T> T* upload(const std::vector<T>& v, std::vector<void*>& allocs
   return static_cast<T*>(p);
 }
 
-// NVFP4 [E][N][K/2] + scales [E][N][K/16] -> kernel layout (kernels.h, bits of format/nvfp4_prepared.h).
+// NVFP4 [E][N][K/2] + scales [E][N][K/16] -> kernel layout (kernels.h, bits of format/nvfp4_prepared.h); with mx,
+// MXFP4 codes + E8M0 scales [E][N][K/32], each scale byte stored for both k16 steps it covers.
 // rowmap: prepared row -> source row.
 template <class RowMap>
 void layout_nvfp4(const uint8_t* q, const uint8_t* sf, int64_t E, int64_t N, int64_t K, RowMap rowmap,
-                  std::vector<uint8_t>& data, std::vector<uint8_t>& sfo) {
+                  std::vector<uint8_t>& data, std::vector<uint8_t>& sfo, bool mx = false) {
   namespace pf = nvfp4_prepared;
-  const int64_t Kp = (K + 63) / 64 * 64, KB = Kp / 64, KQ = K / 2, KS = K / 16;
+  const int64_t Kp = (K + 63) / 64 * 64, KB = Kp / 64, KQ = K / 2, KS = K / (mx ? 32 : 16);
   data.assign(static_cast<size_t>(E * KB * N * 32), 0);
   sfo.assign(static_cast<size_t>(E * KB * N * 4), 0);
   parallel_for(E, default_threads(8), [&](int64_t e) {  // experts are independent
@@ -41,7 +42,12 @@ void layout_nvfp4(const uint8_t* q, const uint8_t* sf, int64_t E, int64_t N, int
         pf::PreparedScale ps[4];
         uint8_t* ds = sfo.data() + ((e * KB + kb) * N + p) * 4;
         for (int s = 0; s < 4; ++s) {
-          ps[s] = pf::prepare_scale(kb * 4 + s < KS ? sr[kb * 4 + s] : 0);  // padding: zero scale, zero values
+          if (mx) {  // the values keep their codes: E8M0 has no sign and no zero
+            const int64_t c = kb * 2 + s / 2;
+            ps[s] = {pf::prepare_mx_scale(c < KS ? sr[c] : 127), false, false};  // padding: zero values
+          } else {
+            ps[s] = pf::prepare_scale(kb * 4 + s < KS ? sr[kb * 4 + s] : 0);  // padding: zero scale, zero values
+          }
           ds[s] = ps[s].code;
         }
         uint8_t* d = data.data() + ((e * KB + kb) * N + p) * 32;
@@ -89,8 +95,8 @@ DeviceMatrix make_matrix(WeightFormat fmt, int64_t N, int64_t K) {
   m.N = N;
   m.K = K;
   m.Kp = (K + 63) / 64 * 64;
-  m.expert_data_bytes = (m.Kp / 64) * N * (fmt == WeightFormat::NVFP4 ? 32 : 128);
-  m.expert_sf_bytes = fmt == WeightFormat::NVFP4 ? (m.Kp / 64) * N * 4 : 0;
+  m.expert_data_bytes = (m.Kp / 64) * N * (is_fp4(fmt) ? 32 : 128);
+  m.expert_sf_bytes = is_fp4(fmt) ? (m.Kp / 64) * N * 4 : 0;
   return m;
 }
 
@@ -127,12 +133,13 @@ std::shared_ptr<void> prepare_device_weights(const PreparedWeights& w) {
   auto id = [](int64_t p) { return p; };
   dw->w1 = make_matrix(w.format, N1, H);
   dw->w2 = make_matrix(w.format, H, I);
-  if (w.format == WeightFormat::NVFP4) {
+  if (is_fp4(w.format)) {
+    const bool mx = w.format == WeightFormat::MXFP4;
     std::vector<uint8_t> d, s;
-    layout_nvfp4(w.w1_q.data(), w.w1_sf.data(), E, N1, H, map1, d, s);
+    layout_nvfp4(w.w1_q.data(), w.w1_sf.data(), E, N1, H, map1, d, s, mx);
     dw->w1.data = upload(d, dw->allocations, "cudaMalloc/cudaMemcpy (w1)");
     dw->w1.sf = upload(s, dw->allocations, "cudaMalloc/cudaMemcpy (w1 scales)");
-    layout_nvfp4(w.w2_q.data(), w.w2_sf.data(), E, H, I, id, d, s);
+    layout_nvfp4(w.w2_q.data(), w.w2_sf.data(), E, H, I, id, d, s, mx);
     dw->w2.data = upload(d, dw->allocations, "cudaMalloc/cudaMemcpy (w2)");
     dw->w2.sf = upload(s, dw->allocations, "cudaMalloc/cudaMemcpy (w2 scales)");
   } else {

@@ -66,13 +66,8 @@ void check_scale(const char* name, float s) {
 // NaN scale (0x7f) and all-zero codes (what e2m1(x * gs / NaN) gives), so the whole block
 // decodes to NaN: non-finite input propagates instead of being saturated away.
 uint8_t quantize_block(const float* x, float gs, uint8_t* codes) {
-  float amax = 0.0f;
   bool non_finite = std::isnan(gs);
-  for (int i = 0; i < kBlock; ++i) {
-    const float a = std::fabs(x[i]);
-    if (!std::isfinite(a)) non_finite = true;
-    else if (a > amax) amax = a;
-  }
+  const float amax = block_amax(x, kBlock, &non_finite);
   if (non_finite) {
     for (int i = 0; i < kBlock; ++i) codes[i] = 0;
     return 0x7f;
@@ -93,6 +88,16 @@ uint8_t quantize_block(const float* x, float gs, uint8_t* codes) {
 }
 
 }  // namespace
+
+float block_amax(const float* x, int n, bool* non_finite) {
+  float amax = 0.0f;
+  for (int i = 0; i < n; ++i) {
+    const float a = std::fabs(x[i]);
+    if (!std::isfinite(a)) *non_finite = true;
+    else if (a > amax) amax = a;
+  }
+  return amax;
+}
 
 // ---- E2M1 -----------------------------------------------------------------------------------
 float e2m1_decode(uint8_t code) {

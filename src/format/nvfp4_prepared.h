@@ -17,10 +17,17 @@
 // The scale's sign moves into the 16 values' signs; a zero scale zeroes their magnitudes (signs kept), so
 // every product keeps the sign and zero of E2M1 * E4M3. The kernels multiply the fp32 sums by 2^8
 // (kProductScale): powers of two, so the sums are those of the true products unless they leave fp32's range.
+//
+// MXFP4 shares the values' layout; a row's 4 scale bytes of a 64-K block are its two E8M0 codes, each twice (steps
+// 0, 1 and 2, 3). Only the scale-to-bf16 step differs (mx_scale_pair): the bf16 (e + 118) << 7 is 2^(e - 127) *
+// 2^118, the same factor as above, so kProductScale holds for both. It is a normal bf16 and a slot times it is
+// exact for e in mxfp4::kMinScaleCode .. kMaxScaleCode (10 .. 136), the range prepare_weights admits over nonzero
+// values; an all-zero block under another scale is stored with 127 (its products are +-0 whatever the scale).
 #pragma once
 #include <cstdint>
 
 #include "common/host_device.h"
+#include "fp4moe/mxfp4.h"
 
 namespace fp4moe::nvfp4_prepared {
 
@@ -55,6 +62,11 @@ FP4MOE_HD uint32_t scale_pair(uint32_t k4, int first) {
   return byte_perm(k4, 0u, 0x4140u + 0x0101u * static_cast<uint32_t>(first)) * 16u + 0x70007000u;
 }
 
+// MXFP4: the E8M0 codes of steps `first` and `first + 1` as one bf16x2: 2^(e - 127) * 2^118 each.
+FP4MOE_HD uint32_t mx_scale_pair(uint32_t k4, int first) {
+  return byte_perm(k4, 0u, 0x4140u + 0x0101u * static_cast<uint32_t>(first)) * 128u + 0x3B003B00u;
+}
+
 // ---- host side: the encoder --------------------------------------------------------------------------------
 struct PreparedScale {
   uint8_t code;     // k above
@@ -82,6 +94,12 @@ inline uint8_t prepare_value(uint8_t c, const PreparedScale& ps) {
   if (ps.negative) c ^= 8u;
   if (ps.zero) c &= 8u;
   return c;
+}
+
+// The stored E8M0 code of an MXFP4 block (mx_scale_pair): e itself, or 127 outside the exactly decoded range, which
+// prepare_weights admits only over blocks of zeros.
+inline uint8_t prepare_mx_scale(uint8_t e) {
+  return e >= mxfp4::kMinScaleCode && e <= mxfp4::kMaxScaleCode ? e : static_cast<uint8_t>(127);
 }
 
 // Puts E2M1 code c (sign bit 3) of slot j, half h (0 low, 1 high) into word x.

@@ -24,9 +24,13 @@ using namespace ckpt;  // NOLINT: the reader's own helpers
 // ---- the layer plan --------------------------------------------------------------------------------------
 struct ExpertsPlan {
   bool nvfp4 = false;
+  bool mxfp4 = false;  // gpt-oss's fused MXFP4 experts (the tensors below instead of `experts`)
   int64_t E = 0, H = 0, I = 0;
   std::vector<std::array<Linear, 3>> experts;  // gate, up, down
+  std::string blocks1, scales1, bias1, blocks2, scales2, bias2;  // MXFP4: [E, N, K/32, 16], [E, N, K/32], [E, N]
   uint64_t bytes = 0;
+  WeightFormat format() const { return mxfp4 ? WeightFormat::MXFP4 : nvfp4 ? WeightFormat::NVFP4 : WeightFormat::BF16; }
+  const char* format_name() const { return mxfp4 ? "mxfp4" : nvfp4 ? "nvfp4" : "bf16"; }
 };
 
 struct LayerPlan {
@@ -35,7 +39,7 @@ struct LayerPlan {
   bool has_shared = false;
   ExpertsPlan shared;
   std::string shared_gate;  // Qwen2-MoE / Qwen3-Next: the shared expert's sigmoid gate [1, H], or ""
-  std::string router, correction_bias;
+  std::string router, router_bias, correction_bias;
   uint64_t bytes = 0;
 };
 
@@ -114,6 +118,42 @@ ExpertsPlan plan_experts(Store& s, const std::string& base, const std::vector<in
   return p;
 }
 
+// gpt-oss's MXFP4 experts under `base` (mlp.experts.): gate_up_proj_{blocks,scales,bias} with 2I rows (gate j at
+// row 2j, up j at 2j+1) and down_proj_{blocks,scales,bias}; the format must be the config's (quant_method mxfp4).
+ExpertsPlan plan_mxfp4(Store& s, const std::string& base) {
+  const std::string gu = base + "gate_up_proj", dn = base + "down_proj";
+  if (s.quant.method != "mxfp4")
+    fail(s.path_of(gu + "_blocks") + ": tensor '" + gu + "_blocks' is MXFP4 but " + s.quant.source + " says " +
+         s.quant.describe() + " (MXFP4 experts need quantization_config.quant_method 'mxfp4')");
+  const st::TensorInfo& b1 = s.info(gu + "_blocks");
+  if (b1.shape.size() != 4 || b1.shape[3] != 16)
+    fail(s.path_of(gu + "_blocks") + ": tensor '" + gu + "_blocks': expected [E, 2I, H/32, 16], got " + shape_str(b1.shape));
+  ExpertsPlan p;
+  p.mxfp4 = true;
+  p.E = b1.shape[0];
+  p.H = 32 * b1.shape[2];
+  p.I = b1.shape[1] / 2;
+  const int64_t E = p.E, H = p.H, n1 = b1.shape[1];
+  if (n1 % 2) fail(s.path_of(gu + "_blocks") + ": tensor '" + gu + "_blocks': expected 2I (gate and up) rows, got " + std::to_string(n1));
+  const st::TensorInfo& b2 = s.info(dn + "_blocks");
+  if (b2.shape.size() != 4 || b2.shape[0] != E || b2.shape[1] != H || 32 * b2.shape[2] != p.I || b2.shape[3] != 16)
+    fail(s.path_of(dn + "_blocks") + ": tensor '" + dn + "_blocks': expected " + shape_str({E, H, p.I / 32, 16}) +
+         " to match '" + gu + "_blocks' " + shape_str(b1.shape) + ", got " + shape_str(b2.shape));
+  p.blocks1 = gu + "_blocks";
+  p.blocks2 = dn + "_blocks";
+  p.scales1 = gu + "_scales";
+  p.scales2 = dn + "_scales";
+  expect(s, p.blocks1, {"U8"}, {E, n1, H / 32, 16});
+  expect(s, p.scales1, {"U8"}, {E, n1, H / 32}, " to match '" + p.blocks1 + "'");
+  expect(s, p.blocks2, {"U8"}, {E, H, p.I / 32, 16});
+  expect(s, p.scales2, {"U8"}, {E, H, p.I / 32}, " to match '" + p.blocks2 + "'");
+  if (s.has(gu + "_bias")) expect(s, p.bias1 = gu + "_bias", {"BF16", "F16", "F32"}, {E, n1});
+  if (s.has(dn + "_bias")) expect(s, p.bias2 = dn + "_bias", {"BF16", "F16", "F32"}, {E, H});
+  for (const std::string& n : {p.blocks1, p.scales1, p.bias1, p.blocks2, p.scales2, p.bias2})
+    if (!n.empty()) p.bytes += s.info(n).end - s.info(n).begin;
+  return p;
+}
+
 LayerPlan plan_layer(Store& s, int layer) {
   const auto layers = moe_layers(s);
   auto it = layers.find(layer);
@@ -136,31 +176,33 @@ LayerPlan plan_layer(Store& s, int layer) {
     while (q < n.size() && std::isdigit(static_cast<unsigned char>(n[q]))) ++q;
     if (q > base.size() && q < n.size() && n[q] == '.' && q - base.size() < 7) ids.insert(std::stoi(n.substr(base.size(), q - base.size())));
   }
-  if (ids.empty()) {
-    if (s.has(base + "gate_up_proj_blocks"))
-      fail(s.path_of(base + "gate_up_proj_blocks") + ": tensor '" + base + "gate_up_proj_blocks' is MXFP4 (GPT-OSS release); "
-           "fp4moe reads NVFP4 or bf16 experts", ErrorCode::Unsupported);
+  if (ids.empty() && s.has(base + "gate_up_proj_blocks")) {
+    p.routed = plan_mxfp4(s, base);
+    p.architecture = "GPT-OSS";
+  } else if (ids.empty()) {
     if (s.has(base + "gate_up_proj"))
       fail(s.path_of(base + "gate_up_proj") + ": tensor '" + base + "gate_up_proj': fused expert tensors are read by the "
            "Python loader (fp4moe.load_moe_layer), not by the C++ one", ErrorCode::Unsupported);
     fail(s.root.string() + ": layer " + std::to_string(layer) + ": no expert tensors under '" + base + "'", ErrorCode::NotFound);
   }
-  std::vector<int> idv(ids.begin(), ids.end());
-  for (int i = 0; i < static_cast<int>(idv.size()); ++i)
-    if (idv[i] != i)
-      fail(s.root.string() + ": tensor '" + base + std::to_string(i) + ".*' is missing (experts 0.." +
-               std::to_string(idv.back()) + " expected)",
-           ErrorCode::NotFound);
-  p.routed = plan_experts(s, base, idv, "layer " + std::to_string(layer) + " experts");
-  const std::string mt = s.model_type();
-  const bool mixtral_block = p.prefix.size() >= 17 && p.prefix.compare(p.prefix.size() - 17, 17, "block_sparse_moe.") == 0;
-  if (mt == "mixtral" || mixtral_block) p.architecture = "Mixtral";
-  else if (mt == "qwen3_moe") p.architecture = "Qwen3-MoE";
-  else if (mt == "qwen2_moe") p.architecture = "Qwen2-MoE";
-  else if (mt == "qwen3_next") p.architecture = "Qwen3-Next";
-  else if (mt == "deepseek_v3") p.architecture = "DeepSeek-V3";
-  else if (mt == "kimi_k2") p.architecture = "Kimi-K2";
-  else p.architecture = mt.empty() ? "per-expert MoE" : mt;
+  if (!p.routed.mxfp4) {
+    std::vector<int> idv(ids.begin(), ids.end());
+    for (int i = 0; i < static_cast<int>(idv.size()); ++i)
+      if (idv[i] != i)
+        fail(s.root.string() + ": tensor '" + base + std::to_string(i) + ".*' is missing (experts 0.." +
+                 std::to_string(idv.back()) + " expected)",
+             ErrorCode::NotFound);
+    p.routed = plan_experts(s, base, idv, "layer " + std::to_string(layer) + " experts");
+    const std::string mt = s.model_type();
+    const bool mixtral_block = p.prefix.size() >= 17 && p.prefix.compare(p.prefix.size() - 17, 17, "block_sparse_moe.") == 0;
+    if (mt == "mixtral" || mixtral_block) p.architecture = "Mixtral";
+    else if (mt == "qwen3_moe") p.architecture = "Qwen3-MoE";
+    else if (mt == "qwen2_moe") p.architecture = "Qwen2-MoE";
+    else if (mt == "qwen3_next") p.architecture = "Qwen3-Next";
+    else if (mt == "deepseek_v3") p.architecture = "DeepSeek-V3";
+    else if (mt == "kimi_k2") p.architecture = "Kimi-K2";
+    else p.architecture = mt.empty() ? "per-expert MoE" : mt;
+  }
   for (const char* sname : {"shared_experts.", "shared_expert."}) {
     const std::string sb = p.prefix + sname;
     if (!s.has(sb + "down_proj.weight") && !s.has(sb + "down_proj.weight_packed")) continue;
@@ -178,16 +220,18 @@ LayerPlan plan_layer(Store& s, int layer) {
     expect(s, gate, {"BF16", "F16", "F32"}, {1, H}, " (the shared expert's gate [1, H])");
     p.shared_gate = gate;
   }
-  if (s.has(p.prefix + "gate.weight")) {
-    p.router = p.prefix + "gate.weight";
+  for (const char* rname : {"gate.", "router."}) {  // router.: gpt-oss, with a bias
+    if (!s.has(p.prefix + rname + "weight")) continue;
+    p.router = p.prefix + rname + "weight";
     expect(s, p.router, {"BF16", "F16", "F32"}, {E, H}, " (the router [E, H])");
+    if (s.has(p.prefix + rname + "bias")) expect(s, p.router_bias = p.prefix + rname + "bias", {"BF16", "F16", "F32"}, {E});
   }
   if (s.has(p.prefix + "gate.e_score_correction_bias")) {
     p.correction_bias = p.prefix + "gate.e_score_correction_bias";
     expect(s, p.correction_bias, {"BF16", "F16", "F32"}, {E});
   }
   p.bytes = p.routed.bytes + (p.has_shared ? p.shared.bytes : 0);
-  for (const std::string& n : {p.router, p.correction_bias, p.shared_gate})
+  for (const std::string& n : {p.router, p.router_bias, p.correction_bias, p.shared_gate})
     if (!n.empty()) p.bytes += s.info(n).end - s.info(n).begin;
   return p;
 }
@@ -208,15 +252,74 @@ void copy_block(const std::vector<uint8_t>& src, int64_t row_bytes, int64_t r0, 
   for (int64_t r = 0; r < nr; ++r) std::memcpy(dst + r * nc, src.data() + (r0 + r) * row_bytes + c0, static_cast<size_t>(nc));
 }
 
-OwnedWeights read_experts(Store& s, const ExpertsPlan& p, int64_t e0, int64_t ne, int64_t t0, int64_t ts,
-                          uint64_t* bytes) {
+std::vector<float> read_f32(Store& s, const std::string& name);
+
+// The empty weights of ne gated experts of p's format with ts intermediate rows, gate rows first.
+OwnedWeights gated_weights(const ExpertsPlan& p, int64_t ne, int64_t ts) {
   OwnedWeights o;
-  o.format = p.nvfp4 ? WeightFormat::NVFP4 : WeightFormat::BF16;
+  o.format = p.format();
   o.order = GateUpOrder::GateFirst;
   o.gated = true;
   o.E = ne;
   o.H = p.H;
   o.I = ts;
+  return o;
+}
+
+// Experts [e0, e0 + ne) of a tensor whose leading dimension is E: only their bytes are read.
+std::vector<uint8_t> read_experts_of(Store& s, const std::string& name, int64_t E, int64_t e0, int64_t ne,
+                                     uint64_t* bytes) {
+  st::TensorInfo t = s.info(name);
+  const uint64_t per = (t.end - t.begin) / static_cast<uint64_t>(E);
+  t.begin += per * static_cast<uint64_t>(e0);
+  t.end = t.begin + per * static_cast<uint64_t>(ne);
+  std::vector<uint8_t> b = s.file(s.where.at(name)).read(t);
+  *bytes += b.size();
+  return b;
+}
+
+// gpt-oss MXFP4 experts: the codes and E8M0 scales as they are in the file; W1 rows reordered gate rows first (this
+// rank's TP rows of each half), W2's columns cut at block edges (t0 and ts multiples of 32).
+OwnedWeights read_mxfp4(Store& s, const ExpertsPlan& p, int64_t e0, int64_t ne, int64_t t0, int64_t ts, bool rank0,
+                        uint64_t* bytes) {
+  OwnedWeights o = gated_weights(p, ne, ts);
+  const int64_t H = p.H, I = p.I, n1 = 2 * ts;
+  const std::vector<uint8_t> b1 = read_experts_of(s, p.blocks1, p.E, e0, ne, bytes);
+  const std::vector<uint8_t> s1 = read_experts_of(s, p.scales1, p.E, e0, ne, bytes);
+  const std::vector<uint8_t> b2 = read_experts_of(s, p.blocks2, p.E, e0, ne, bytes);
+  const std::vector<uint8_t> s2 = read_experts_of(s, p.scales2, p.E, e0, ne, bytes);
+  o.w1.resize(ne * n1 * H / 2);
+  o.w1_scale.resize(ne * n1 * H / 32);
+  o.w2.resize(ne * H * ts / 2);
+  o.w2_scale.resize(ne * H * ts / 32);
+  auto src_row = [&](int64_t r) { return r < ts ? 2 * (t0 + r) : 2 * (t0 + r - ts) + 1; };  // gate j: 2j, up j: 2j+1
+  for (int64_t i = 0; i < ne; ++i) {
+    for (int64_t r = 0; r < n1; ++r) {
+      const int64_t src = i * 2 * I + src_row(r);
+      std::memcpy(o.w1.data() + (i * n1 + r) * (H / 2), b1.data() + src * (H / 2), static_cast<size_t>(H / 2));
+      std::memcpy(o.w1_scale.data() + (i * n1 + r) * (H / 32), s1.data() + src * (H / 32), static_cast<size_t>(H / 32));
+    }
+    copy_block(b2, I / 2, i * H, H, t0 / 2, ts / 2, o.w2.data() + i * H * (ts / 2));
+    copy_block(s2, I / 32, i * H, H, t0 / 32, ts / 32, o.w2_scale.data() + i * H * (ts / 32));
+  }
+  if (!p.bias1.empty()) {
+    const std::vector<float> b = read_f32(s, p.bias1);
+    *bytes += s.info(p.bias1).end - s.info(p.bias1).begin;
+    o.bias1.resize(ne * n1);
+    for (int64_t i = 0; i < ne; ++i)
+      for (int64_t r = 0; r < n1; ++r) o.bias1[i * n1 + r] = b[(e0 + i) * 2 * I + src_row(r)];
+  }
+  if (!p.bias2.empty() && rank0) {  // SPEC §8: bias2 on TP rank 0 only
+    const std::vector<float> b = read_f32(s, p.bias2);
+    *bytes += s.info(p.bias2).end - s.info(p.bias2).begin;
+    o.bias2.assign(b.begin() + e0 * H, b.begin() + (e0 + ne) * H);
+  }
+  return o;
+}
+
+OwnedWeights read_experts(Store& s, const ExpertsPlan& p, int64_t e0, int64_t ne, int64_t t0, int64_t ts,
+                          uint64_t* bytes) {
+  OwnedWeights o = gated_weights(p, ne, ts);
   const int64_t H = p.H, I = p.I, n1 = 2 * ts;
   auto raw = [&](const std::string& n) {
     std::vector<uint8_t> b = s.file(s.where.at(n)).read(s.info(n));
@@ -287,7 +390,9 @@ A4Scales a4_scales(Store& s, const ExpertsPlan& p) {
       float& acc = j < 2 ? r.fc1 : r.fc2;
       acc = std::max(acc, read_scalar(s, lin[j].input, lin[j].inverse));
     }
-  if (!p.nvfp4) {
+  if (p.mxfp4) {
+    r.reason = "MXFP4 experts run in A16 (SPEC §2)";
+  } else if (!p.nvfp4) {
     r.reason = "the experts are not quantized";
   } else if (!s.quant.a4) {
     r.reason = s.quant.describe() + " does not quantize activations";
@@ -349,7 +454,7 @@ CheckpointLayer read_moe_layer(const std::string& dir, int layer, const Checkpoi
   out.layer = layer;
   out.architecture = p.architecture;
   out.quantization = s.quant.describe();
-  out.format = R.nvfp4 ? WeightFormat::NVFP4 : WeightFormat::BF16;
+  out.format = R.format();
   out.activation = c.activation;
   out.router = c.router;
   if (opt.ep_world < 1 || opt.ep_rank < 0 || opt.ep_rank >= opt.ep_world || opt.ep_world > R.E)
@@ -363,15 +468,17 @@ CheckpointLayer read_moe_layer(const std::string& dir, int layer, const Checkpoi
   auto tp_rows = [&](int64_t I) {
     if (opt.tp_world < 1 || opt.tp_rank < 0 || opt.tp_rank >= opt.tp_world)
       throw Error(ErrorCode::InvalidArgument, "tp_rank", "expected 0 <= tp_rank < tp_world");
-    if (I % opt.tp_world || (I / opt.tp_world) % 16)
+    const int64_t block = R.mxfp4 ? 32 : 16;  // whole MXFP4 blocks of 32
+    if (I % opt.tp_world || (I / opt.tp_world) % block)
       throw Error(ErrorCode::InvalidArgument, "tp_world",
                   "I=" + std::to_string(I) + " split over tp_world=" + std::to_string(opt.tp_world) +
-                      " must give a multiple of 16 per rank");
+                      " must give a multiple of " + std::to_string(block) + " per rank");
     const int64_t ts = I / opt.tp_world;
     return std::pair<int64_t, int64_t>(opt.tp_rank * ts, ts);
   };
   const auto [t0, ts] = tp_rows(R.I);
-  out.routed = read_experts(s, R, win.offset, win.count, t0, ts, &out.bytes_read);
+  out.routed = R.mxfp4 ? read_mxfp4(s, R, win.offset, win.count, t0, ts, opt.tp_rank == 0, &out.bytes_read)
+                       : read_experts(s, R, win.offset, win.count, t0, ts, &out.bytes_read);
   if (p.has_shared && opt.shared_expert && opt.ep_rank == 0) {  // under EP on rank 0 only (SPEC §8)
     const auto [s0, ss] = tp_rows(p.shared.I);
     out.shared = read_experts(s, p.shared, 0, 1, s0, ss, &out.bytes_read);
@@ -382,6 +489,7 @@ CheckpointLayer read_moe_layer(const std::string& dir, int layer, const Checkpoi
     }
   }
   if (!p.router.empty()) out.router.weight = read_f32(s, p.router);
+  if (!p.router_bias.empty()) out.router.bias = read_f32(s, p.router_bias);
   if (!p.correction_bias.empty()) out.router.e_score_correction_bias = read_f32(s, p.correction_bias);
   out.fc1_input_scale = c.a4.fc1;
   out.fc2_input_scale = c.a4.fc2;
@@ -414,7 +522,7 @@ CheckpointInfo inspect_checkpoint(const std::string& dir) {
     r.layer = L;
     auto describe = [&](const LayerPlan& p) {
       r.architecture = p.architecture;
-      r.format = p.routed.nvfp4 ? "nvfp4" : "bf16";
+      r.format = p.routed.format_name();
       r.experts = p.routed.E;
       r.hidden = p.routed.H;
       r.inter = p.routed.I;

@@ -122,6 +122,14 @@ void routing_of(Store& s, int64_t E, CheckpointRouter& r) {
 
 ActivationType activation_of(Store& s) {
   const json::Value* c = config_of(s);
+  if (s.model_type() == "gpt_oss") {  // SwigluBias's defaults are gpt-oss's: alpha 1.702, beta 1, limit 7
+    const json::Value* lim = member(c, "swiglu_limit");
+    if (lim && num_of(lim, 7.0) != 7.0)
+      fail((s.root / "config.json").string() + ": swiglu_limit " + shown(*lim) +
+               ": the C++ reader takes SwigluBias's limit 7 (fp4moe.load_moe_layer reads any)",
+           ErrorCode::Unsupported);
+    return ActivationType::SwigluBias;
+  }
   const std::string act = str_of(member(c, "hidden_act"), str_of(member(c, "hidden_activation")));
   if (act == "silu" || act == "swish") return ActivationType::Swiglu;
   if (act == "gelu") return ActivationType::Geglu;

@@ -150,11 +150,12 @@ Quant ct_quant(const json::Value& qc, const std::string& src) {
 // ---- quantization config ---------------------------------------------------------------------------------
 std::string Quant::describe() const {
   if (method == "none") return "none (unquantized)";
+  if (method == "mxfp4") return "mxfp4 (W4A16)";
   return method + " " + algo + (a4 ? " (W4A4)" : " (W4A16)");
 }
 
 bool Quant::quantized(const std::string& module) const {
-  if (method == "none") return false;
+  if (method == "none" || method == "mxfp4") return false;  // mxfp4 quantizes only gpt-oss's fused experts
   if (method == "modelopt") {
     for (const auto& p : exclude)
       if (modelopt_excludes(p, module)) return false;
@@ -225,9 +226,13 @@ void Store::detect_quant() {
     quant = modelopt_quant(q ? q : qc, src);
   } else if (m == "compressed-tensors") {
     quant = ct_quant(*qc, src);
+  } else if (m == "mxfp4") {
+    quant.method = "mxfp4";
+    quant.algo = "MXFP4";
+    quant.source = src;
   } else {
     fail(src + ": unknown quantization config quant_method='" + m +
-             "' (fp4moe reads 'modelopt' NVFP4 and 'compressed-tensors' nvfp4-pack-quantized)",
+             "' (fp4moe reads 'modelopt' NVFP4, 'compressed-tensors' nvfp4-pack-quantized and 'mxfp4' gpt-oss experts)",
          ErrorCode::Unsupported);
   }
 }

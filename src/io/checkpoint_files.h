@@ -35,7 +35,7 @@ bool bool_of(const json::Value* v, bool dflt);
 
 // The checkpoint's quantization config (hf_quant_config.json or config.json quantization_config).
 struct Quant {
-  std::string method = "none";  // "modelopt" | "compressed-tensors" | "none"
+  std::string method = "none";  // "modelopt" | "compressed-tensors" | "mxfp4" (gpt-oss experts) | "none"
   std::string algo, source;
   bool a4 = false;
   std::vector<std::string> exclude, targets;

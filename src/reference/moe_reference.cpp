@@ -20,6 +20,7 @@
 #include "common/activation.h"
 #include "common/parallel_for.h"
 #include "common/shared_gate.h"
+#include "fp4moe/mxfp4.h"
 #include "fp4moe/nvfp4.h"
 #include "reference/reference.h"
 #include "runtime/host_tensor.h"
@@ -36,14 +37,15 @@ constexpr int kLanes = 4;   // pairs computed side by side (independent accumula
 constexpr int kRows = 4;    // weight rows decoded and used together
 constexpr int64_t kMaxPairsPerJob = 64;
 
-// Decoding tables: value of each byte's two E2M1 nibbles, and of each E4M3 code.
+// Decoding tables: value of each byte's two E2M1 nibbles, and of each E4M3 and E8M0 code.
 struct Tables {
-  float lo[256], hi[256], e4m3[256];
+  float lo[256], hi[256], e4m3[256], e8m0[256];
   Tables() {
     for (int b = 0; b < 256; ++b) {
       lo[b] = nvfp4::e2m1_decode(static_cast<uint8_t>(b & 0xf));
       hi[b] = nvfp4::e2m1_decode(static_cast<uint8_t>(b >> 4));
       e4m3[b] = nvfp4::e4m3_decode(static_cast<uint8_t>(b));
+      e8m0[b] = mxfp4::e8m0_decode(static_cast<uint8_t>(b));
     }
   }
 };
@@ -52,26 +54,28 @@ const Tables& tables() {
   return t;
 }
 
-// One [N, K] weight matrix of one expert, NVFP4 or bf16, in the canonical host arrays.
+// One [N, K] weight matrix of one expert, NVFP4, MXFP4 or bf16, in the canonical host arrays.
 struct Mat {
   bool fp4 = true;
+  int block = 16;                // elements a scale: 16 (NVFP4, E4M3) or 32 (MXFP4, E8M0)
   const uint8_t* q = nullptr;    // [N, K/2]
-  const uint8_t* sf = nullptr;   // [N, K/16]
+  const uint8_t* sf = nullptr;   // [N, K/block]
   const uint16_t* bf = nullptr;  // [N, K]
   int64_t N = 0, K = 0;
 
-  // Row n as exact values e2m1*e4m3 (the global scale is applied to the accumulator) or bf16.
+  // Row n as exact values e2m1*e4m3 or e2m1*e8m0 (a global scale is applied to the accumulator) or bf16.
   template <class Acc> void decode_row(int64_t n, Acc* out) const {
     if (fp4) {
       const Tables& tb = tables();
+      const float* scale = block == 16 ? tb.e4m3 : tb.e8m0;
       const uint8_t* qr = q + n * (K / 2);
-      const uint8_t* sr = sf + n * (K / 16);
-      for (int64_t b = 0; b < K / 16; ++b) {
-        const float s = tb.e4m3[sr[b]];
-        for (int i = 0; i < 8; ++i) {
-          const uint8_t byte = qr[b * 8 + i];
-          out[b * 16 + 2 * i] = static_cast<Acc>(tb.lo[byte] * s);  // exact: <= 5 significant bits
-          out[b * 16 + 2 * i + 1] = static_cast<Acc>(tb.hi[byte] * s);
+      const uint8_t* sr = sf + n * (K / block);
+      for (int64_t b = 0; b < K / block; ++b) {
+        const float s = scale[sr[b]];
+        for (int i = 0; i < block / 2; ++i) {
+          const uint8_t byte = qr[b * block / 2 + i];
+          out[b * block + 2 * i] = static_cast<Acc>(tb.lo[byte] * s);  // exact: <= 5 significant bits, in range
+          out[b * block + 2 * i + 1] = static_cast<Acc>(tb.hi[byte] * s);
         }
       }
     } else {
@@ -84,12 +88,13 @@ struct Mat {
 // Expert e's W1 [N1, H] or W2 [H, I] (its quantized codes and scales, or bf16 values).
 Mat mat_of(const PreparedWeights& w, int64_t e, bool w1) {
   Mat m;
-  m.fp4 = w.format == WeightFormat::NVFP4;
+  m.fp4 = is_fp4(w.format);
+  m.block = w.format == WeightFormat::MXFP4 ? mxfp4::kBlock : nvfp4::kBlock;
   m.N = w1 ? w.n1() : w.H;
   m.K = w1 ? w.H : w.I;
   if (m.fp4) {
     m.q = (w1 ? w.w1_q : w.w2_q).data() + e * m.N * (m.K / 2);
-    m.sf = (w1 ? w.w1_sf : w.w2_sf).data() + e * m.N * (m.K / 16);
+    m.sf = (w1 ? w.w1_sf : w.w2_sf).data() + e * m.N * (m.K / m.block);
   } else {
     m.bf = (w1 ? w.w1_bf16 : w.w2_bf16).data() + e * m.N * m.K;
   }
@@ -547,11 +552,13 @@ void check_weights(const PreparedWeights& w) {
     if (static_cast<int64_t>(have) != want) invalid("weights", std::string("prepared array ") + what + " has the wrong size");
   };
   const int64_t E = w.E, N1 = w.n1(), H = w.H, I = w.I;
-  if (w.format == WeightFormat::NVFP4) {
+  if (is_fp4(w.format)) {
+    const int64_t block = w.format == WeightFormat::MXFP4 ? mxfp4::kBlock : nvfp4::kBlock;
+    if (H % block || I % block) invalid("weights", "bad prepared sizes");
     need(w.w1_q.size(), E * N1 * H / 2, "w1_q");
-    need(w.w1_sf.size(), E * N1 * H / 16, "w1_sf");
+    need(w.w1_sf.size(), E * N1 * H / block, "w1_sf");
     need(w.w2_q.size(), E * H * I / 2, "w2_q");
-    need(w.w2_sf.size(), E * H * I / 16, "w2_sf");
+    need(w.w2_sf.size(), E * H * I / block, "w2_sf");
   } else {
     need(w.w1_bf16.size(), E * N1 * H, "w1_bf16");
     need(w.w2_bf16.size(), E * H * I, "w2_bf16");

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "fp4moe/mxfp4.h"
 #include "fp4moe/nvfp4.h"
 #include "runtime/host_tensor.h"
 
@@ -95,6 +96,8 @@ void check_common(const WeightsDesc& d) {
   if (d.num_experts < 1) invalid("num_experts", "expected >= 1, got " + std::to_string(d.num_experts));
   if (d.hidden < 16 || d.hidden % 16) invalid("hidden", "expected a positive multiple of 16, got " + std::to_string(d.hidden));
   if (d.inter < 16 || d.inter % 16) invalid("inter", "expected a positive multiple of 16, got " + std::to_string(d.inter));
+  if (d.format == WeightFormat::MXFP4 && (d.hidden % mxfp4::kBlock || d.inter % mxfp4::kBlock))
+    invalid(d.hidden % mxfp4::kBlock ? "hidden" : "inter", "expected a multiple of 32 (whole MXFP4 blocks)");
 }
 
 // Copies / slices a WeightsDesc. rows1: W1 row ranges per half-block; cols2: W2 column range (elements);
@@ -118,15 +121,19 @@ OwnedWeights cut(const WeightsDesc& d, Range experts, int64_t Inew, const std::v
     shape[0] = En;
     return select(a.data(), es, shape, dim, r);
   };
-  if (d.format == WeightFormat::NVFP4) {
+  if (is_fp4(d.format)) {
+    const int64_t bs = d.format == WeightFormat::MXFP4 ? mxfp4::kBlock : nvfp4::kBlock;  // elements a block scale
+    const ScaleLayout layout = d.format == WeightFormat::MXFP4 ? ScaleLayout::Linear : d.scale_layout;
     check_host(d.w1, "w1", 1, {E, N1, H / 2});
     check_host(d.w2, "w2", 1, {E, H, I / 2});
     o.w1 = both(d.w1.data, 1, {E, N1, H / 2}, 1, rows1);
-    const std::vector<uint8_t> s1 = linear_scales(d.w1_scale, "w1_scale", d.scale_layout, E, N1, H / 16);
-    o.w1_scale = both(s1.data(), 1, {E, N1, H / 16}, 1, rows1);
+    const std::vector<uint8_t> s1 = linear_scales(d.w1_scale, "w1_scale", layout, E, N1, H / bs);
+    o.w1_scale = both(s1.data(), 1, {E, N1, H / bs}, 1, rows1);
     o.w2 = both(d.w2.data, 1, {E, H, I / 2}, 2, {{cols2.begin / 2, cols2.len / 2}});
-    const std::vector<uint8_t> s2 = linear_scales(d.w2_scale, "w2_scale", d.scale_layout, E, H, I / 16);
-    o.w2_scale = both(s2.data(), 1, {E, H, I / 16}, 2, {{cols2.begin / 16, cols2.len / 16}});
+    const std::vector<uint8_t> s2 = linear_scales(d.w2_scale, "w2_scale", layout, E, H, I / bs);
+    o.w2_scale = both(s2.data(), 1, {E, H, I / bs}, 2, {{cols2.begin / bs, cols2.len / bs}});
+  }
+  if (d.format == WeightFormat::NVFP4) {
     // scale2: [E, 2] per half or [E]; copied as given (per expert, unchanged by a TP shard).
     const int64_t per = d.w1_scale2.present() && d.w1_scale2.numel() == 2 * E ? 2 : 1;
     o.w1_scale2 = copy_f32(d.w1_scale2, "w1_scale2", per * E);
@@ -134,7 +141,7 @@ OwnedWeights cut(const WeightsDesc& d, Range experts, int64_t Inew, const std::v
     o.w1_scale2.resize(static_cast<size_t>(En * per));
     o.w2_scale2 = copy_f32(d.w2_scale2, "w2_scale2", E);
     o.w2_scale2 = std::vector<float>(o.w2_scale2.begin() + experts.begin, o.w2_scale2.begin() + experts.begin + En);
-  } else {
+  } else if (d.format == WeightFormat::BF16) {
     check_host(d.w1, "w1", 2, {E, N1, H});
     check_host(d.w2, "w2", 2, {E, H, I});
     o.w1_bf16 = as_vec<uint16_t>(both(d.w1.data, 2, {E, N1, H}, 1, rows1));
@@ -151,10 +158,11 @@ OwnedWeights cut(const WeightsDesc& d, Range experts, int64_t Inew, const std::v
   return o;
 }
 
-int64_t tp_inter(int64_t I, int world) {
-  if (I % world != 0 || (I / world) % 16 != 0)
-    invalid("world", "I=" + std::to_string(I) + " split over world=" + std::to_string(world) +
-                     " must give a multiple of 16 per rank (whole NVFP4 blocks of 16 elements)");
+int64_t tp_inter(int64_t I, int world, int64_t block = 16) {
+  if (I % world != 0 || (I / world) % block != 0)
+    invalid("world", "I=" + std::to_string(I) + " split over world=" + std::to_string(world) + " must give a multiple of " +
+                     std::to_string(block) + " per rank (whole " + (block == 32 ? "MXFP4 blocks of 32" : "NVFP4 blocks of 16") +
+                     " elements)");
   return I / world;
 }
 
@@ -197,7 +205,7 @@ int64_t dim_of(const TensorView& v, int i) { return v.present() && i < v.ndim ? 
 OwnedWeights shard_weights_tp(const WeightsDesc& full, int rank, int world) {
   check_rank_world(rank, world);
   check_common(full);
-  const int64_t I = full.inter, Is = tp_inter(I, world);
+  const int64_t I = full.inter, Is = tp_inter(I, world, full.format == WeightFormat::MXFP4 ? mxfp4::kBlock : 16);
   std::vector<Range> rows1 = {{rank * Is, Is}};
   if (full.gated) rows1.push_back({I + rank * Is, Is});  // the second half, whatever the half order
   return cut(full, {0, full.num_experts}, Is, rows1, {rank * Is, Is}, rank == 0);

@@ -76,7 +76,8 @@ void check_shape(const ProblemShape& s) {
     invalid("activation.type", std::string(to_string(s.activation)) + (s.gated ? " is not gated" : " is gated") +
                                " but the weights are " + (s.gated ? "gated" : "not gated"));
   if (s.mode != ActMode::A16 && s.mode != ActMode::A4) invalid("mode", "expected A16 or A4");
-  if (s.format != WeightFormat::NVFP4 && s.format != WeightFormat::BF16) invalid("format", "expected NVFP4 or BF16");
+  if (s.format != WeightFormat::NVFP4 && s.format != WeightFormat::BF16 && s.format != WeightFormat::MXFP4)
+    invalid("format", "expected NVFP4, BF16 or MXFP4");
   if (s.has_shared && (s.shared_I < 16 || s.shared_I % 16))
     invalid("shared_expert", "intermediate size must be a positive multiple of 16, got " + std::to_string(s.shared_I));
   if (s.has_shared && s.shared_I > kMaxHidden) unsupported("shared_expert", "intermediate size too large");
@@ -168,7 +169,7 @@ MoePlan make_plan(const ProblemShape& shape) {
   // The warp-specialised wgmma tile (128 tokens x 256 weight rows, one block an SM) from kWsRows expected rows an
   // expert on experts of I >= kWsMinI, NVFP4 weights without LoRA (the cases measured: bench/NOTES.md, "A warp-
   // specialised wgmma tile"); below, its mostly empty 128-row tiles and 256-row tiles past N lose to Wgmma64.
-  const bool fp4 = s.format == WeightFormat::NVFP4;
+  const bool fp4 = is_fp4(s.format);  // MXFP4 shares NVFP4's prepared layout and kernels
   const bool ws = fp4 && !s.has_lora && avg_rows >= kWsRows && s.I >= kWsMinI;
   auto choose = [&](bool wgmma) {
     GemmTile t = GemmTile::TokensAsA64;

@@ -19,12 +19,12 @@ struct PreparedWeights {
   int64_t n1() const { return gated ? 2 * I : I; }
 
   // Host copies, always in the weights' half order, scales in the linear layout.
-  std::vector<uint8_t> w1_q;    // NVFP4: [E, N1, H/2]
-  std::vector<uint8_t> w1_sf;   // NVFP4: [E, N1, H/16] e4m3 codes
+  std::vector<uint8_t> w1_q;    // NVFP4, MXFP4: [E, N1, H/2]
+  std::vector<uint8_t> w1_sf;   // NVFP4: [E, N1, H/16] e4m3 codes; MXFP4: [E, N1, H/32] e8m0 codes
   std::vector<float> w1_s2;     // [E, 2]: scale of the first half, of the second half (equal when one given);
-                                // [E, 1] for non-gated. 1 for bf16.
-  std::vector<uint8_t> w2_q;    // NVFP4: [E, H, I/2]
-  std::vector<uint8_t> w2_sf;   // NVFP4: [E, H, I/16]
+                                // [E, 1] for non-gated. 1 for bf16 and MXFP4.
+  std::vector<uint8_t> w2_q;    // NVFP4, MXFP4: [E, H, I/2]
+  std::vector<uint8_t> w2_sf;   // NVFP4: [E, H, I/16]; MXFP4: [E, H, I/32]
   std::vector<float> w2_s2;     // [E]
   std::vector<uint16_t> w1_bf16;  // BF16: [E, N1, H]
   std::vector<uint16_t> w2_bf16;  // BF16: [E, H, I]

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "fp4moe/mxfp4.h"
 #include "fp4moe/nvfp4.h"
 #include "runtime/host_tensor.h"
 
@@ -61,8 +62,10 @@ std::vector<uint8_t> unswizzle_all(const std::vector<uint8_t>& swz, int64_t E, i
 
 OwnedWeights quantize_weights(const TensorView& w1, const TensorView& w2, const QuantizeOptions& opt,
                               const TensorView& bias1, const TensorView& bias2) {
-  if (opt.format != WeightFormat::NVFP4 && opt.format != WeightFormat::BF16)
-    invalid("format", "expected NVFP4 or BF16, got " + std::to_string(static_cast<int>(opt.format)));
+  if (opt.format != WeightFormat::NVFP4 && opt.format != WeightFormat::BF16 && opt.format != WeightFormat::MXFP4)
+    invalid("format", "expected NVFP4, BF16 or MXFP4, got " + std::to_string(static_cast<int>(opt.format)));
+  if (opt.format == WeightFormat::MXFP4 && opt.scale_layout != ScaleLayout::Linear)
+    invalid("scale_layout", "expected Linear for MXFP4 (the 128x4 swizzle is NVFP4's), got Swizzled128x4");
   if (opt.order != GateUpOrder::GateFirst && opt.order != GateUpOrder::UpFirst)
     invalid("order", "expected GateFirst or UpFirst, got " + std::to_string(static_cast<int>(opt.order)));
   if (opt.scale_layout != ScaleLayout::Linear && opt.scale_layout != ScaleLayout::Swizzled128x4)
@@ -81,8 +84,10 @@ OwnedWeights quantize_weights(const TensorView& w1, const TensorView& w2, const 
   o.I = w2.shape[2];
   const int64_t E = o.E, H = o.H, I = o.I, N1 = o.n1();
   if (E <= 0) invalid("w1", "expected at least one expert, got shape " + detail::view_shape_str(w1));
-  if (H <= 0 || H % 16) invalid("w1", "expected H (last dim) a positive multiple of 16, got " + std::to_string(H));
-  if (I <= 0 || I % 16) invalid("w2", "expected I (last dim) a positive multiple of 16, got " + std::to_string(I));
+  const int64_t multiple = opt.format == WeightFormat::MXFP4 ? mxfp4::kBlock : 16;
+  const std::string what = " a positive multiple of " + std::to_string(multiple) + ", got ";
+  if (H <= 0 || H % multiple) invalid("w1", "expected H (last dim)" + what + std::to_string(H));
+  if (I <= 0 || I % multiple) invalid("w2", "expected I (last dim)" + what + std::to_string(I));
   std::vector<float> x1 = read_dense(w1, "w1", {E, N1, H});
   std::vector<float> x2 = read_dense(w2, "w2", {E, H, I});
   if (bias1.present()) o.bias1 = read_dense(bias1, "bias1", {E, N1});
@@ -93,6 +98,15 @@ OwnedWeights quantize_weights(const TensorView& w1, const TensorView& w2, const 
     o.w2_bf16.resize(x2.size());
     std::transform(x1.begin(), x1.end(), o.w1_bf16.begin(), f32_to_bf16_bits);
     std::transform(x2.begin(), x2.end(), o.w2_bf16.begin(), f32_to_bf16_bits);
+    return o;
+  }
+  if (opt.format == WeightFormat::MXFP4) {  // no global scale: the E8M0 block scales carry the magnitudes
+    o.w1.resize(x1.size() / 2);
+    o.w2.resize(x2.size() / 2);
+    o.w1_scale.resize(x1.size() / mxfp4::kBlock);
+    o.w2_scale.resize(x2.size() / mxfp4::kBlock);
+    mxfp4::quantize_matrix(x1.data(), E * N1, H, o.w1.data(), o.w1_scale.data());
+    mxfp4::quantize_matrix(x2.data(), E * H, I, o.w2.data(), o.w2_scale.data());
     return o;
   }
 
@@ -151,6 +165,11 @@ WeightsDesc OwnedWeights::desc() const {
     else
       d.w1_scale2 = host_view(w1_scale2.data(), DType::F32, {E});
     d.w2_scale2 = host_view(w2_scale2.data(), DType::F32, {E});
+  } else if (format == WeightFormat::MXFP4) {
+    d.w1 = host_view(w1.data(), DType::U8, {E, N1, H / 2});
+    d.w2 = host_view(w2.data(), DType::U8, {E, H, I / 2});
+    d.w1_scale = host_view(w1_scale.data(), DType::U8, {E, N1, H / mxfp4::kBlock});
+    d.w2_scale = host_view(w2_scale.data(), DType::U8, {E, H, I / mxfp4::kBlock});
   } else {
     d.w1 = host_view(w1_bf16.data(), DType::BF16, {E, N1, H});
     d.w2 = host_view(w2_bf16.data(), DType::BF16, {E, H, I});
@@ -165,6 +184,10 @@ std::vector<float> dequantize_w1(const OwnedWeights& w) {
   std::vector<float> out(static_cast<size_t>(E * N1 * H));
   if (w.format == WeightFormat::BF16) {
     for (size_t i = 0; i < out.size(); ++i) out[i] = bf16_bits_to_f32(w.w1_bf16[i]);
+    return out;
+  }
+  if (w.format == WeightFormat::MXFP4) {
+    mxfp4::dequantize_matrix(w.w1.data(), w.w1_scale.data(), E * N1, H, out.data());
     return out;
   }
   const std::vector<uint8_t> sf =
@@ -184,6 +207,10 @@ std::vector<float> dequantize_w2(const OwnedWeights& w) {
   std::vector<float> out(static_cast<size_t>(E * H * I));
   if (w.format == WeightFormat::BF16) {
     for (size_t i = 0; i < out.size(); ++i) out[i] = bf16_bits_to_f32(w.w2_bf16[i]);
+    return out;
+  }
+  if (w.format == WeightFormat::MXFP4) {
+    mxfp4::dequantize_matrix(w.w2.data(), w.w2_scale.data(), E * H, I, out.data());
     return out;
   }
   const std::vector<uint8_t> sf =

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <random>
 
+#include "fp4moe/mxfp4.h"
 #include "fp4moe/nvfp4.h"
 
 namespace fp4moe {
@@ -25,6 +26,21 @@ void random_nvfp4(std::mt19937_64& rng, int64_t rows, int64_t K, std::vector<uin
   };
   fill(q, 0xff, 0);
   fill(sf, 0x0f, 0x30);
+}
+
+// Random MXFP4 rows: uniform codes, E8M0 scales uniform over 2^-1, 1, 2 times the power of two nearest
+// `magnitude` (MXFP4 has no global scale, so the block scales carry the layer's magnitude).
+void random_mxfp4(std::mt19937_64& rng, int64_t rows, int64_t K, float magnitude, std::vector<uint8_t>& q,
+                  std::vector<uint8_t>& sf) {
+  q.resize(rows * K / 2);
+  sf.resize(rows * K / mxfp4::kBlock);
+  for (size_t i = 0; i < q.size(); i += 8) {
+    uint64_t r = rng();
+    for (size_t j = i; j < std::min(q.size(), i + 8); ++j, r >>= 8) q[j] = static_cast<uint8_t>(r);
+  }
+  const int e0 = 127 + static_cast<int>(std::lround(std::log2(magnitude)));
+  std::uniform_int_distribution<int> step(-1, 1);
+  for (auto& e : sf) e = static_cast<uint8_t>(e0 + step(rng));
 }
 
 // Random bf16 values with the given standard deviation: uniform on [-sqrt(3) sd, sqrt(3) sd] (same variance as
@@ -56,6 +72,9 @@ SyntheticLayer make_layer(int64_t E, int64_t H, int64_t I, bool gated, uint64_t 
     for (auto& v : L.w1_s2) v = s1 * jitter(rng);  // each half its own scale (SPEC §2)
     L.w2_s2.resize(E);
     for (auto& v : L.w2_s2) v = s2 * jitter(rng);
+  } else if (format == WeightFormat::MXFP4) {
+    random_mxfp4(rng, E * N1, H, s1, L.w1, L.w1_sf);
+    random_mxfp4(rng, E * H, I, s2, L.w2, L.w2_sf);
   } else {
     random_bf16_matrix(rng, E * N1 * H, 1.f / std::sqrt(static_cast<float>(H)), L.w1_bf16);
     random_bf16_matrix(rng, E * H * I, 1.f / std::sqrt(static_cast<float>(I)), L.w2_bf16);
@@ -87,6 +106,11 @@ WeightsDesc SyntheticLayer::desc() {
     d.w2 = make_view(w2.data(), DType::U8, {E, H, I / 2});
     d.w2_scale = make_view(w2_sf.data(), DType::E4M3, {E, H, I / 16});
     d.w2_scale2 = make_view(w2_s2.data(), DType::F32, {E});
+  } else if (format == WeightFormat::MXFP4) {
+    d.w1 = make_view(w1.data(), DType::U8, {E, N1, H / 2});
+    d.w1_scale = make_view(w1_sf.data(), DType::U8, {E, N1, H / mxfp4::kBlock});
+    d.w2 = make_view(w2.data(), DType::U8, {E, H, I / 2});
+    d.w2_scale = make_view(w2_sf.data(), DType::U8, {E, H, I / mxfp4::kBlock});
   } else {
     d.w1 = make_view(w1_bf16.data(), DType::BF16, {E, N1, H});
     d.w2 = make_view(w2_bf16.data(), DType::BF16, {E, H, I});

@@ -185,6 +185,10 @@ CallShape validate_moe_args(const MoeWeights& weights, const MoeArgs& a, const A
       invalid("fc1_input_scale", "A4 mode needs a finite positive scale (or per_token_x_scale), got " + std::to_string(a.fc1_input_scale));
     if (!finite_positive(a.fc2_input_scale))
       invalid("fc2_input_scale", "A4 mode needs a finite positive scale, got " + std::to_string(a.fc2_input_scale));
+    // A4 is the W4A4 numerics of NVFP4 checkpoints; MXFP4 checkpoints (gpt-oss) carry no activation scales.
+    const bool mx = w.format == WeightFormat::MXFP4 ||
+                    (a.shared_expert && a.shared_expert->valid() && a.shared_expert->impl().format == WeightFormat::MXFP4);
+    if (mx) throw Error(ErrorCode::Unsupported, "mode", "A4 takes NVFP4 or bf16 weights; MXFP4 weights run in A16");
   }
 
   // Shared expert.

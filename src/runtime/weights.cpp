@@ -5,6 +5,7 @@
 #include <string>
 
 #include "fp4moe/moe.h"
+#include "fp4moe/mxfp4.h"
 #include "fp4moe/nvfp4.h"
 #include "runtime/host_tensor.h"
 #include "runtime/prepared.h"
@@ -35,9 +36,10 @@ int64_t MoeWeights::inter() const { return checked(impl_).I; }
 // ---- prepare_weights -------------------------------------------------------------------------------
 namespace {
 
-void check_dim(int64_t v, const char* name) {
-  if (v <= 0 || v % 16 != 0)
-    invalid(name, "expected a positive multiple of 16, got " + std::to_string(v));
+void check_dim(int64_t v, const char* name, int64_t multiple) {
+  if (v <= 0 || v % multiple != 0)
+    invalid(name, "expected a positive multiple of " + std::to_string(multiple) +
+                      (multiple == 32 ? " (whole MXFP4 blocks)" : "") + ", got " + std::to_string(v));
   if (v > (int64_t{1} << 24)) invalid(name, "expected at most 2^24, got " + std::to_string(v));
 }
 
@@ -80,6 +82,29 @@ std::vector<uint8_t> read_block_scales(const TensorView& v, const char* name, Sc
   return linear;
 }
 
+// MXFP4 block scales [E, N, K/32] (E8M0 codes) of the codes q [E, N, K/2]: 255 (NaN) is refused, and so is a
+// scale outside the exactly decoded range (mxfp4::kMinScaleCode ... kMaxScaleCode) over a block with a nonzero code.
+std::vector<uint8_t> read_mx_scales(const TensorView& v, const char* name, const std::vector<uint8_t>& q, int64_t E,
+                                    int64_t N, int64_t K) {
+  detail::check_view(v, name, {DType::U8});
+  const int64_t cols = K / mxfp4::kBlock;
+  detail::check_shape(v, name, {E, N, cols});
+  std::vector<uint8_t> s = detail::gather_u8(v, name);
+  for (size_t i = 0; i < s.size(); ++i) {
+    bool nonzero = false;
+    for (int b = 0; b < mxfp4::kBlock / 2; ++b) nonzero |= (q[i * mxfp4::kBlock / 2 + b] & 0x77) != 0;
+    if (mxfp4::scale_accepted(s[i], nonzero)) continue;
+    const int64_t idx = static_cast<int64_t>(i);
+    const std::string where = " at expert " + std::to_string(idx / (N * cols)) + ", row " +
+                              std::to_string((idx / cols) % N) + ", block " + std::to_string(idx % cols);
+    if (s[i] == mxfp4::kScaleNaN) invalid(name, "expected E8M0 block scales, got the NaN code 255" + where);
+    invalid(name, "expected E8M0 scales " + std::to_string(mxfp4::kMinScaleCode) + ".." +
+                      std::to_string(mxfp4::kMaxScaleCode) + " (2^-117 .. 2^9, decoded exactly) over nonzero values, got " +
+                      std::to_string(s[i]) + where);
+  }
+  return s;
+}
+
 // Global dequant scales: f32 [E] (or [E, 1]), or [E, 2] when per_half_allowed. Finite and > 0.
 std::vector<float> read_scale2(const TensorView& v, const char* name, int64_t E, bool per_half_allowed,
                                bool* per_half) {
@@ -113,8 +138,8 @@ std::vector<float> read_bias(const TensorView& v, const char* name, int64_t E, i
 
 MoeWeights prepare_weights(const WeightsDesc& d, Backend backend, int device_id) {
   // Enums first: garbage values from a C cast must not reach the switch statements below.
-  if (d.format != WeightFormat::NVFP4 && d.format != WeightFormat::BF16)
-    invalid("format", "expected NVFP4 or BF16, got " + std::to_string(static_cast<int>(d.format)));
+  if (d.format != WeightFormat::NVFP4 && d.format != WeightFormat::BF16 && d.format != WeightFormat::MXFP4)
+    invalid("format", "expected NVFP4, BF16 or MXFP4, got " + std::to_string(static_cast<int>(d.format)));
   if (d.order != GateUpOrder::GateFirst && d.order != GateUpOrder::UpFirst)
     invalid("order", "expected GateFirst or UpFirst, got " + std::to_string(static_cast<int>(d.order)));
   if (d.scale_layout != ScaleLayout::Linear && d.scale_layout != ScaleLayout::Swizzled128x4)
@@ -133,8 +158,9 @@ MoeWeights prepare_weights(const WeightsDesc& d, Backend backend, int device_id)
 #endif
   if (d.num_experts <= 0 || d.num_experts > (int64_t{1} << 20))
     invalid("num_experts", "expected 1..2^20, got " + std::to_string(d.num_experts));
-  check_dim(d.hidden, "hidden");
-  check_dim(d.inter, "inter");
+  const int64_t multiple = d.format == WeightFormat::MXFP4 ? mxfp4::kBlock : 16;
+  check_dim(d.hidden, "hidden", multiple);
+  check_dim(d.inter, "inter", multiple);
 
   auto p = std::make_shared<PreparedWeights>();
   p->backend = backend;
@@ -168,6 +194,21 @@ MoeWeights prepare_weights(const WeightsDesc& d, Backend backend, int device_id)
     }
     p->w1_q = detail::gather_u8(d.w1, "w1");
     p->w2_q = detail::gather_u8(d.w2, "w2");
+  } else if (d.format == WeightFormat::MXFP4) {
+    if (d.scale_layout != ScaleLayout::Linear)
+      invalid("scale_layout", "expected Linear for MXFP4 weights (the 128x4 swizzle is NVFP4's), got Swizzled128x4");
+    detail::check_view(d.w1, "w1", {DType::U8});
+    detail::check_shape(d.w1, "w1", {E, N1, H / 2});
+    detail::check_view(d.w2, "w2", {DType::U8});
+    detail::check_shape(d.w2, "w2", {E, H, I / 2});
+    check_absent(d.w1_scale2, "w1_scale2", "MXFP4 weights have no global scale");
+    check_absent(d.w2_scale2, "w2_scale2", "MXFP4 weights have no global scale");
+    p->w1_q = detail::gather_u8(d.w1, "w1");
+    p->w2_q = detail::gather_u8(d.w2, "w2");
+    p->w1_sf = read_mx_scales(d.w1_scale, "w1_scale", p->w1_q, E, N1, H);
+    p->w2_sf = read_mx_scales(d.w2_scale, "w2_scale", p->w2_q, E, H, I);
+    p->w1_s2.assign(static_cast<size_t>(d.gated ? 2 * E : E), 1.f);
+    p->w2_s2.assign(static_cast<size_t>(E), 1.f);
   } else {
     detail::check_view(d.w1, "w1", {DType::BF16});
     detail::check_shape(d.w1, "w1", {E, N1, H});

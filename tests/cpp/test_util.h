@@ -121,33 +121,50 @@ struct HostWeights {
     if (format == WeightFormat::BF16) return bf16_bits_to_f32(w1_bf[(e * n1() + n) * H + k]);
     const int64_t row = e * n1() + n;
     const uint8_t byte = w1_q[row * (H / 2) + k / 2];
-    const double s2 = gated ? w1_s2[e * 2 + (n >= I ? 1 : 0)] : w1_s2[e];
-    return e2m1_value((k & 1) ? byte >> 4 : byte & 15) * e4m3_value(w1_sf[row * (H / 16) + k / 16]) * s2;
+    const double s2 = format == WeightFormat::MXFP4 ? 1.0 : gated ? w1_s2[e * 2 + (n >= I ? 1 : 0)] : w1_s2[e];
+    return e2m1_value((k & 1) ? byte >> 4 : byte & 15) * scale_value(w1_sf[row * (H / block()) + k / block()], block()) * s2;
   }
   double w2(int64_t e, int64_t h, int64_t i) const {
     if (format == WeightFormat::BF16) return bf16_bits_to_f32(w2_bf[(e * H + h) * I + i]);
     const int64_t row = e * H + h;
     const uint8_t byte = w2_q[row * (I / 2) + i / 2];
-    return e2m1_value((i & 1) ? byte >> 4 : byte & 15) * e4m3_value(w2_sf[row * (I / 16) + i / 16]) * w2_s2[e];
+    const double s2 = format == WeightFormat::MXFP4 ? 1.0 : w2_s2[e];
+    return e2m1_value((i & 1) ? byte >> 4 : byte & 15) * scale_value(w2_sf[row * (I / block()) + i / block()], block()) * s2;
   }
+  // Elements a block scale: 16 (NVFP4, E4M3) or 32 (MXFP4, E8M0).
+  int64_t block() const { return format == WeightFormat::MXFP4 ? 32 : 16; }
   // Rows of W1 / W2 of expert e in double (for dense oracles that walk a matrix row by row).
-  // (e2m1 * e4m3 has at most 5 significant bits, so the products below are exact in double.)
+  // (e2m1 * e4m3 has at most 5 significant bits, e2m1 * 2^(e-127) 2, so the products below are exact in double.)
   void w1_row(int64_t e, int64_t n, double* out) const {
-    if (format == WeightFormat::BF16) { for (int64_t k = 0; k < H; ++k) out[k] = w1(e, n, k); return; }
-    const double s2 = gated ? w1_s2[e * 2 + (n >= I ? 1 : 0)] : w1_s2[e];
-    decode_fp4_row(w1_q.data() + (e * n1() + n) * (H / 2), w1_sf.data() + (e * n1() + n) * (H / 16), H, s2, out);
+    if (format == WeightFormat::BF16) {
+      for (int64_t k = 0; k < H; ++k) out[k] = bf16_bits_to_f32(w1_bf[(e * n1() + n) * H + k]);
+      return;
+    }
+    const double s2 = format == WeightFormat::MXFP4 ? 1.0 : gated ? w1_s2[e * 2 + (n >= I ? 1 : 0)] : w1_s2[e];
+    decode_fp4_row(w1_q.data() + (e * n1() + n) * (H / 2), w1_sf.data() + (e * n1() + n) * (H / block()), H, s2,
+                   block(), out);
   }
   void w2_row(int64_t e, int64_t h, double* out) const {
-    if (format == WeightFormat::BF16) { for (int64_t i = 0; i < I; ++i) out[i] = w2(e, h, i); return; }
-    decode_fp4_row(w2_q.data() + (e * H + h) * (I / 2), w2_sf.data() + (e * H + h) * (I / 16), I, w2_s2[e], out);
+    if (format == WeightFormat::BF16) {
+      for (int64_t i = 0; i < I; ++i) out[i] = bf16_bits_to_f32(w2_bf[(e * H + h) * I + i]);
+      return;
+    }
+    const double s2 = format == WeightFormat::MXFP4 ? 1.0 : w2_s2[e];
+    decode_fp4_row(w2_q.data() + (e * H + h) * (I / 2), w2_sf.data() + (e * H + h) * (I / block()), I, s2, block(),
+                   out);
   }
-  static void decode_fp4_row(const uint8_t* q, const uint8_t* sf, int64_t K, double s2, double* out) {
-    for (int64_t b = 0; b < K / 16; ++b) {
-      const double sc = e4m3_value(sf[b]) * s2;
-      for (int i = 0; i < 8; ++i) {
-        const uint8_t byte = q[b * 8 + i];
-        out[b * 16 + 2 * i] = e2m1_value(byte & 15) * sc;
-        out[b * 16 + 2 * i + 1] = e2m1_value(byte >> 4) * sc;
+  // Block scale code c as a double: E4M3 (block 16) or E8M0 2^(c - 127) (block 32; 255 is NaN).
+  static double scale_value(uint8_t c, int64_t block) {
+    if (block == 16) return e4m3_value(c);
+    return c == 255 ? std::nan("") : std::ldexp(1.0, int(c) - 127);
+  }
+  static void decode_fp4_row(const uint8_t* q, const uint8_t* sf, int64_t K, double s2, int64_t block, double* out) {
+    for (int64_t b = 0; b < K / block; ++b) {
+      const double sc = scale_value(sf[b], block) * s2;
+      for (int64_t i = 0; i < block / 2; ++i) {
+        const uint8_t byte = q[b * block / 2 + i];
+        out[b * block + 2 * i] = e2m1_value(byte & 15) * sc;
+        out[b * block + 2 * i + 1] = e2m1_value(byte >> 4) * sc;
       }
     }
   }
@@ -168,6 +185,11 @@ struct HostWeights {
       d.w2 = make_view(w2_q.data(), DType::U8, {E, H, I / 2});
       d.w2_scale = make_view(w2_sf.data(), DType::E4M3, {E, H, I / 16});
       d.w2_scale2 = make_view(w2_s2.data(), DType::F32, {E});
+    } else if (format == WeightFormat::MXFP4) {
+      d.w1 = make_view(w1_q.data(), DType::U8, {E, N1, H / 2});
+      d.w1_scale = make_view(w1_sf.data(), DType::U8, {E, N1, H / 32});
+      d.w2 = make_view(w2_q.data(), DType::U8, {E, H, I / 2});
+      d.w2_scale = make_view(w2_sf.data(), DType::U8, {E, H, I / 32});
     } else {
       d.w1 = make_view(w1_bf.data(), DType::BF16, {E, N1, H});
       d.w2 = make_view(w2_bf.data(), DType::BF16, {E, H, I});
@@ -204,7 +226,17 @@ inline HostWeights make_weights(int64_t E, int64_t H, int64_t I, uint64_t seed,
   };
   // rms of a uniform E2M1 code is ~2.93, of a block scale in [0.5, 2) ~1.2.
   auto s2_for = [&](int64_t K) { return static_cast<float>(1.0 / (std::sqrt(double(K)) * 2.93 * 1.2)) * r.uniform(0.7f, 1.4f); };
-  if (format == WeightFormat::NVFP4) {
+  // MXFP4: no global scale; E8M0 scales 2^(e0 - 1 .. e0 + 1) around the rms above.
+  auto fill_mx = [&](std::vector<uint8_t>& q, std::vector<uint8_t>& sf, int64_t rows, int64_t K) {
+    fill_fp4(q, sf, rows, K);
+    sf.resize(static_cast<size_t>(rows * K / 32));
+    const int e0 = 127 + static_cast<int>(std::lround(std::log2(1.0 / (std::sqrt(double(K)) * 2.93 * 1.2))));
+    for (auto& s : sf) s = static_cast<uint8_t>(e0 - 1 + static_cast<int>(r.next() % 3));
+  };
+  if (format == WeightFormat::MXFP4) {
+    fill_mx(w.w1_q, w.w1_sf, E * N1, H);
+    fill_mx(w.w2_q, w.w2_sf, E * H, I);
+  } else if (format == WeightFormat::NVFP4) {
     fill_fp4(w.w1_q, w.w1_sf, E * N1, H);
     fill_fp4(w.w2_q, w.w2_sf, E * H, I);
     for (int64_t e = 0; e < E; ++e) {

@@ -1,5 +1,5 @@
 """Small checkpoints written here in the real layouts (ModelOpt NVFP4 and MIXED_PRECISION, compressed-tensors
-nvfp4-pack-quantized, bf16 fused GPT-OSS), with the arrays they were written from, for the checkpoint tests.
+nvfp4-pack-quantized, bf16 fused GPT-OSS, MXFP4 GPT-OSS), with the arrays they were written from, for the checkpoint tests.
 Imported by test modules after they have checked that ml_dtypes and safetensors are installed."""
 from __future__ import annotations
 
@@ -195,6 +195,44 @@ def gpt_oss_model(d: Path, *, layers=1, E=4, H=32, I=16, seed=2):
         truth[L] = {"w1": w1, "w2": dn.transpose(0, 2, 1), "bias1": bias1, "bias2": b2.astype(np.float32)}
     config = {"model_type": "gpt_oss", "num_local_experts": E, "experts_per_token": 2, "num_experts_per_tok": 2,
               "hidden_size": H, "intermediate_size": I, "swiglu_limit": 7.0, "hidden_act": "silu"}
+    return write_checkpoint(d, t, config=config), truth
+
+
+def mxfp4_tensor(rng, E: int, n: int, k: int, e_lo: int = 118, e_hi: int = 124):
+    """Random MXFP4 tensors in gpt-oss's layout: blocks U8 [E, n, k/32, 16] (element 2i in the low nibble), E8M0
+    scales U8 [E, n, k/32], and the values they decode to (float64 [E, n, k])."""
+    blocks = rng.integers(0, 256, (E, n, k // 32, 16), dtype=np.uint8)
+    scales = rng.integers(e_lo, e_hi + 1, (E, n, k // 32), dtype=np.uint8)
+    codes = np.stack([blocks & 15, blocks >> 4], axis=-1).reshape(E, n, k // 32, 32)
+    vals = E2M1.astype(np.float64)[codes] * np.exp2(scales.astype(np.float64) - 127)[..., None]
+    return blocks, scales, vals.reshape(E, n, k)
+
+
+def gpt_oss_mxfp4_model(d: Path, *, layers=1, E=4, H=64, I=64, seed=3, swiglu_limit=7.0):
+    """gpt-oss's release layout: quantization_config.quant_method "mxfp4", mlp.experts.{gate_up,down}_proj_{blocks,
+    scales,bias} with gate and up rows interleaved (gate j at row 2j, up j at 2j+1), router weight and bias. truth[L]:
+    w1 [E, 2I, H] (gate rows first) and w2 [E, H, I] decoded in float64, and the prepare_mxfp4_weights arrays."""
+    rng = np.random.default_rng(seed)
+    t, truth = {}, {}
+    for L in range(layers):
+        mb = f"model.layers.{L}.mlp."
+        b1, s1, v1 = mxfp4_tensor(rng, E, 2 * I, H)
+        b2, s2, v2 = mxfp4_tensor(rng, E, H, I)
+        bias1, bias2 = bf16(rng, E, 2 * I), bf16(rng, E, H)
+        t.update({mb + "experts.gate_up_proj_blocks": b1, mb + "experts.gate_up_proj_scales": s1,
+                  mb + "experts.gate_up_proj_bias": bias1, mb + "experts.down_proj_blocks": b2,
+                  mb + "experts.down_proj_scales": s2, mb + "experts.down_proj_bias": bias2,
+                  mb + "router.weight": bf16(rng, E, H), mb + "router.bias": bf16(rng, E)})
+        order = np.concatenate([np.arange(0, 2 * I, 2), np.arange(1, 2 * I, 2)])  # gate rows, then up
+        truth[L] = {"w1": v1[:, order], "w2": v2, "bias1": bias1[:, order].astype(np.float32),
+                    "bias2": bias2.astype(np.float32),
+                    "prepared": {"w1": b1[:, order].reshape(E, 2 * I, H // 2), "w1_scale": s1[:, order],
+                                 "w2": b2.reshape(E, H, I // 2), "w2_scale": s2}}
+    config = {"model_type": "gpt_oss", "num_local_experts": E, "experts_per_token": 2, "num_experts_per_tok": 2,
+              "hidden_size": H, "intermediate_size": I, "swiglu_limit": swiglu_limit, "hidden_act": "silu",
+              "quantization_config": {"quant_method": "mxfp4",
+                                      "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                                 "model.embed_tokens", "lm_head"]}}
     return write_checkpoint(d, t, config=config), truth
 
 

@@ -46,6 +46,9 @@ inline int64_t expert_weight_bytes(WeightFormat format, int64_t H, int64_t I, bo
   if (H <= 0 || I <= 0) throw std::invalid_argument("expert_weight_bytes: H and I must be positive");
   const int64_t N1 = gated ? 2 * I : I;
   if (format == WeightFormat::BF16) return 2 * (N1 * H + H * I);
+  // MXFP4: the bytes the kernels read (format/nvfp4_prepared.h: each E8M0 byte stored twice, as NVFP4's four a
+  // 64-K block), no global scales.
+  if (format == WeightFormat::MXFP4) return nvfp4_matrix_bytes(N1, H) + nvfp4_matrix_bytes(H, I);
   return nvfp4_matrix_bytes(N1, H) + (gated ? 2 : 1) * 4 + nvfp4_matrix_bytes(H, I) + 4;
 }
 

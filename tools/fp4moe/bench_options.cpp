@@ -24,7 +24,7 @@ int usage() {
       "  --max-runs N        upper bound when short cases repeat to reach --min-time (default 400)\n"
       "  --min-time S        keep repeating (up to --max-runs) until S seconds of op time are measured (default 0.05)\n"
       "  --sets N            input sets (x, logits) rotated between replays (default 3)\n"
-      "  --format nvfp4|bf16 expert weight format (default nvfp4)\n"
+      "  --format nvfp4|mxfp4|bf16 expert weight format (default nvfp4; mxfp4 runs A16 only)\n"
       "  --no-lora           skip the LoRA rows\n"
       "  --lora-only         only the LoRA rows (for profiling the LoRA kernels)\n"
       "  --lora-cases a,b    the LoRA rows to run (default: all), rank 16 each: per_expert8 (eight PEFT-fused\n"
@@ -102,7 +102,8 @@ Options parse_options(int argc, char** argv) {
       const std::string v = need(i);
       if (v == "nvfp4") o.format = WeightFormat::NVFP4;
       else if (v == "bf16") o.format = WeightFormat::BF16;
-      else throw std::invalid_argument("--format: expected nvfp4 or bf16, got '" + v + "'");
+      else if (v == "mxfp4") o.format = WeightFormat::MXFP4;
+      else throw std::invalid_argument("--format: expected nvfp4, mxfp4 or bf16, got '" + v + "'");
     } else if (a == "--no-lora") {
       o.lora = false;
     } else if (a == "--lora-only") {
@@ -163,6 +164,8 @@ Options parse_options(int argc, char** argv) {
   }
   o.max_runs = std::max(o.max_runs, o.runs);
   if (!o.lora && !o.base) throw std::invalid_argument("--no-lora and --lora-only: nothing left to run");
+  if (o.format == WeightFormat::MXFP4 && o.mode == ActMode::A4)
+    throw std::invalid_argument("--format mxfp4 and --mode a4: A4 takes NVFP4 or bf16 weights (SPEC §2)");
   if (!o.lora && lora_cases_given) throw std::invalid_argument("--no-lora and --lora-cases: choose one");
   return o;
 }

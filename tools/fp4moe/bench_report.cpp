@@ -131,7 +131,7 @@ bool write_json(const Options& o, const Machine& m, const std::string& flush_met
   method.add("timing", json::quote("CUDA events around one CUDA-graph replay of moe_run"));
   method.add("l2", json::quote(flush_method)).add("runs_min", jint(o.runs)).add("runs_max", jint(o.max_runs));
   method.add("min_time_s", jnum(o.min_time_s)).add("input_sets", jint(o.sets)).add("warmup", jint(2 * o.sets));
-  method.add("format", json::quote(o.format == WeightFormat::NVFP4 ? "nvfp4" : "bf16")).add("mode", json::quote(o.mode == ActMode::A4 ? "A4" : "A16"));
+  method.add("format", json::quote(o.format == WeightFormat::NVFP4 ? "nvfp4" : o.format == WeightFormat::MXFP4 ? "mxfp4" : "bf16")).add("mode", json::quote(o.mode == ActMode::A4 ? "A4" : "A16"));
   method.add("gemm_tile", json::quote(to_string(static_cast<GemmTile>(o.gemm_tile))));
   method.add("workspace_budget", jint(o.workspace_budget > 0 ? o.workspace_budget : kDefaultWorkspaceBudget));
   method.add("lora", json::quote("rank 16, by lora_case: per_expert8: 8 PEFT-fused adapters, adapter_ids = t % 8; "

@@ -98,7 +98,7 @@ std::string act_list(const std::vector<ActivationType>& acts) {
 }
 
 void run_shape(const Context& ctx, const ModelShape& shape) {
-  ShapeSetup S = make_setup(shape, ctx.experts > 0 ? ctx.experts : shape.E_loc, ctx.tokens);
+  ShapeSetup S = make_setup(shape, ctx.experts > 0 ? ctx.experts : shape.E_loc, ctx.tokens, ctx.opt.format);
   const bool cpu = ctx.backend == Backend::CPU;
   const std::vector<ActivationType> acts = activations_of(shape, ctx.opt);
   if (!ctx.opt.child) {
@@ -107,7 +107,9 @@ void run_shape(const Context& ctx, const ModelShape& shape) {
                 "%s routing, %s weights, backend %s vs the CPU reference (%s)\n",
                 std::string(shape.name).c_str(), (long long)S.H, (long long)S.I, (long long)S.k, (long long)S.E_loc,
                 reduced.c_str(), (long long)S.E_total, (long long)S.offset, (long long)S.T,
-                to_string(shape.routing), S.layer.order == GateUpOrder::UpFirst ? "up-first NVFP4" : "gate-first NVFP4",
+                to_string(shape.routing),
+                (std::string(S.layer.order == GateUpOrder::UpFirst ? "up-first " : "gate-first ") +
+                 (S.layer.format == WeightFormat::MXFP4 ? "MXFP4" : "NVFP4")).c_str(),
                 cpu ? "CPU reference (fp32)" : "CUDA", cpu ? "fp64" : "fp32");
     std::fflush(stdout);
   }
@@ -137,7 +139,8 @@ void run_shape(const Context& ctx, const ModelShape& shape) {
   // that each config's tally below includes this invariant).
   std::vector<std::string> args{"check", "--child", "--shape", std::string(shape.name), "--backend", cpu ? "cpu" : "cuda",
                                 "--tokens", std::to_string(S.T), "--experts", std::to_string(S.E_loc),
-                                "--activations", act_list(acts), "--modes", ""};
+                                "--activations", act_list(acts), "--format",
+                                ctx.opt.format == WeightFormat::MXFP4 ? "mxfp4" : "nvfp4", "--modes", ""};
   for (ActMode m : ctx.opt.modes) args.back() += std::string(args.back().empty() ? "" : ",") + (m == ActMode::A4 ? "a4" : "a16");
   std::string relaunch_err;
   std::map<std::string, std::string> child_hash;

@@ -32,12 +32,13 @@ std::string lower(std::string s) {
 void usage(FILE* f) {
   std::fputs(
       "usage: fp4moe check [--shape NAME ...] [--backend cpu|cuda|auto] [--tokens T] [--experts E]\n"
-      "                    [--activations swiglu,situ,...] [--modes a16,a4] [--json FILE]\n"
+      "                    [--activations swiglu,situ,...] [--modes a16,a4] [--format nvfp4|mxfp4] [--json FILE]\n"
       "  Runs the validation phases (individual adapters, eight adapters in one batch, mixed adapter and\n"
       "  base requests) and the invariants (zero-B, load/unload, base in a mixed batch, bridges, two\n"
       "  process launches) per shape, activation and A16/A4 mode, against the CPU reference.\n"
       "  Defaults: shapes qwen3_30b_a3b and kimi_k3_tp8; backend auto (CUDA when a GPU is usable);\n"
       "  CPU: 16 experts and 24 tokens (reduced, to end in about a minute); CUDA: the shape's experts, 64 tokens.\n"
+      "  --format mxfp4 gives the experts MXFP4 weights (A16 only).\n"
       "  --child is internal: the re-launched process prints output hashes.\n",
       f);
 }
@@ -90,6 +91,12 @@ std::string parse_options(int argc, char** argv, Options& o) {
         else if (s == "a4") o.modes.push_back(ActMode::A4);
         else return "--modes: unknown '" + s + "' (a16, a4)";
       }
+    } else if (a == "--format") {
+      if (!value(v)) return "--format needs nvfp4 or mxfp4";
+      v = lower(v);
+      if (v == "nvfp4") o.format = WeightFormat::NVFP4;
+      else if (v == "mxfp4") o.format = WeightFormat::MXFP4;
+      else return "--format expects nvfp4 or mxfp4, got '" + v + "'";
     } else if (a == "--help" || a == "-h") {
       return "help";
     } else {
@@ -97,7 +104,10 @@ std::string parse_options(int argc, char** argv, Options& o) {
     }
   }
   if (o.shapes.empty()) o.shapes = {"qwen3_30b_a3b", "kimi_k3_tp8"};
-  if (o.modes.empty()) o.modes = {ActMode::A16, ActMode::A4};
+  const bool mx = o.format == WeightFormat::MXFP4;
+  if (o.modes.empty()) o.modes = mx ? std::vector<ActMode>{ActMode::A16} : std::vector<ActMode>{ActMode::A16, ActMode::A4};
+  for (ActMode m : o.modes)
+    if (mx && m == ActMode::A4) return "--modes a4 takes NVFP4 weights (MXFP4 runs in A16, SPEC §2)";
   return "";
 }
 

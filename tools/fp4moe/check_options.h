@@ -16,7 +16,8 @@ struct Options {
   std::string json_path;
   bool child = false;
   std::vector<ActivationType> activations;  // empty: the shape's own plus SwiGLU/SiTU
-  std::vector<ActMode> modes;               // empty: A16 and A4
+  std::vector<ActMode> modes;               // empty: A16 and A4 (A16 alone for MXFP4)
+  WeightFormat format = WeightFormat::NVFP4;  // the synthetic experts' format: NVFP4 or MXFP4
 };
 
 void usage(FILE* f);

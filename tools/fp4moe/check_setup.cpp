@@ -43,7 +43,7 @@ std::string hex64(uint64_t v) {
   return buf;
 }
 
-ShapeSetup make_setup(const ModelShape& shape, int64_t experts, int64_t tokens) {
+ShapeSetup make_setup(const ModelShape& shape, int64_t experts, int64_t tokens, WeightFormat format) {
   ShapeSetup S;
   S.shape = &shape;
   S.E_loc = std::min(experts, shape.E_loc);
@@ -59,7 +59,7 @@ ShapeSetup make_setup(const ModelShape& shape, int64_t experts, int64_t tokens) 
   // kimi_k3_tp8's weights are up rows first (FlashInfer trtllm order); the others gate first.
   const GateUpOrder order = shape.routing == RoutingMethod::DeepSeekV3 && shape.n_group == 1 ? GateUpOrder::UpFirst
                                                                                               : GateUpOrder::GateFirst;
-  S.layer = make_synthetic_layer(shape, S.E_loc, seed, WeightFormat::NVFP4,
+  S.layer = make_synthetic_layer(shape, S.E_loc, seed, format,
                                  /*with_bias=*/shape.activation == ActivationType::SwigluBias, order);
   S.x = random_bf16(S.T * S.H, seed + 1);
   S.logits = random_f32(S.T * S.E_total, seed + 2);

@@ -44,7 +44,8 @@ struct ShapeSetup {
 };
 
 // The shape with at most `experts` local experts and `tokens` tokens, everything seeded by the shape's name.
-ShapeSetup make_setup(const ModelShape& shape, int64_t experts, int64_t tokens);
+ShapeSetup make_setup(const ModelShape& shape, int64_t experts, int64_t tokens,
+                      WeightFormat format = WeightFormat::NVFP4);
 // The exact gate_up-only adapter of S as a registry descriptor.
 LoraAdapterDesc exact_adapter_desc(ShapeSetup& S);
 

@@ -1,5 +1,6 @@
 // Host side of the grouped GEMMs: picks the kernel for (tile, weight format, activation) and launches it.
-// Included by one .cu per weight format (gemm_nvfp4.cu, gemm_bf16.cu) so the instantiations compile in parallel.
+// Included by one .cu per weight format (gemm_nvfp4.cu, gemm_mxfp4.cu, gemm_bf16.cu) so the instantiations compile in
+// parallel.
 #pragma once
 #include <algorithm>
 
@@ -52,30 +53,32 @@ void launch_grouped(const GemmProblem& g, const typename Epi::Params& ep, int n_
 }
 
 // Calls f with a value of the tile type that the plan's tile index `config` names (TileOf, one weight format).
-template <bool FP4, class F> void with_tile(int config, F&& f) {
+template <bool FP4, bool MX, class F> void with_tile(int config, F&& f) {
   switch (static_cast<GemmTile>(config)) {
-    case GemmTile::SplitKDecode: f(TileOf<GemmTile::SplitKDecode, FP4>{}); break;
-    case GemmTile::WeightsAsA32: f(TileOf<GemmTile::WeightsAsA32, FP4>{}); break;
-    case GemmTile::TokensAsA64: f(TileOf<GemmTile::TokensAsA64, FP4>{}); break;
-    case GemmTile::WeightsAsA16: f(TileOf<GemmTile::WeightsAsA16, FP4>{}); break;
-    case GemmTile::WgmmaWs128: f(TileOf<GemmTile::WgmmaWs128, FP4>{}); break;
-    default: f(TileOf<GemmTile::Wgmma64, FP4>{}); break;
+    case GemmTile::SplitKDecode: f(TileOf<GemmTile::SplitKDecode, FP4, MX>{}); break;
+    case GemmTile::WeightsAsA32: f(TileOf<GemmTile::WeightsAsA32, FP4, MX>{}); break;
+    case GemmTile::TokensAsA64: f(TileOf<GemmTile::TokensAsA64, FP4, MX>{}); break;
+    case GemmTile::WeightsAsA16: f(TileOf<GemmTile::WeightsAsA16, FP4, MX>{}); break;
+    case GemmTile::WgmmaWs128: f(TileOf<GemmTile::WgmmaWs128, FP4, MX>{}); break;
+    default: f(TileOf<GemmTile::Wgmma64, FP4, MX>{}); break;
   }
 }
 
-// The instantiations of one weight format: every tile for GEMM1 x every activation, and for GEMM2.
-template <bool FP4> void launch_gemm1_fmt(int config, ActivationType at, const GemmProblem& g, const Epilogue1Params& e,
-                                          int n_tiles, int m_tiles, cudaStream_t stream) {
+// The instantiations of one weight format (MX: MXFP4): every tile for GEMM1 x every activation, and for GEMM2.
+template <bool FP4, bool MX = false>
+void launch_gemm1_fmt(int config, ActivationType at, const GemmProblem& g, const Epilogue1Params& e, int n_tiles,
+                      int m_tiles, cudaStream_t stream) {
   act::dispatch(at, [&](auto fn) {
-    with_tile<FP4>(config, [&](auto tile) {
+    with_tile<FP4, MX>(config, [&](auto tile) {
       launch_grouped<decltype(tile), Epilogue1, decltype(fn)>(g, e, n_tiles, m_tiles, stream);
     });
   });
 }
 
-template <bool FP4> void launch_gemm2_fmt(int config, const GemmProblem& g, const Epilogue2Params& e, int n_tiles,
-                                          int m_tiles, cudaStream_t stream) {
-  with_tile<FP4>(config, [&](auto tile) {
+template <bool FP4, bool MX = false>
+void launch_gemm2_fmt(int config, const GemmProblem& g, const Epilogue2Params& e, int n_tiles, int m_tiles,
+                      cudaStream_t stream) {
+  with_tile<FP4, MX>(config, [&](auto tile) {
     launch_grouped<decltype(tile), Epilogue2, act::Identity>(g, e, n_tiles, m_tiles, stream);
   });
 }

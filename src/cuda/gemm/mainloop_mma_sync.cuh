@@ -48,8 +48,8 @@ template <class Cfg> struct TokensAsAMainloop {
         const int row = wn * C::WTN + nt * 8 + g;
         if constexpr (C::FP4) {
           uint32_t w[4][2];
-          dev::fp4_row_fragments(*reinterpret_cast<const uint2*>(sB + row * 32 + t * 8),
-                                 *reinterpret_cast<const uint32_t*>(sSF + row * 4), w);
+          dev::fp4_row_fragments<C::MX>(*reinterpret_cast<const uint2*>(sB + row * 32 + t * 8),
+                                        *reinterpret_cast<const uint32_t*>(sSF + row * 4), w);
 #pragma unroll
           for (int s = 0; s < 4; ++s) {
             bfrag[nt][s][0] = w[s][0];

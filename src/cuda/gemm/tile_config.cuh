@@ -12,11 +12,13 @@ namespace fp4moe::cuda_backend {
 // One block tile's geometry and stage layout. WEIGHTS_AS_A: the weights are the mma A operand and the tokens B
 // (kernel_weights_as_a.cuh); WGMMA: its sm_90a form (wgmma.cuh), stages 1024-byte aligned; WS: warp-specialised
 // (kernel_ws_wgmma.cuh), THREADS math threads and a producer warpgroup after them.
+// MX: MXFP4 weights, NVFP4's prepared layout with E8M0 scale bytes (format/nvfp4_prepared.h); only the decode differs.
 template <int BM_, int BN_, int WARPS_M_, int WARPS_N_, int STAGES_, bool FP4_, bool WEIGHTS_AS_A_ = false,
-          bool WGMMA_ = false, bool WS_ = false>
+          bool WGMMA_ = false, bool WS_ = false, bool MX_ = false>
 struct TileConfig {
   static constexpr int BM = BM_, BN = BN_, BK = 64, WARPS_M = WARPS_M_, WARPS_N = WARPS_N_, STAGES = STAGES_;
-  static constexpr bool FP4 = FP4_, WEIGHTS_AS_A = WEIGHTS_AS_A_, WGMMA = WGMMA_, WS = WS_;
+  static constexpr bool FP4 = FP4_, WEIGHTS_AS_A = WEIGHTS_AS_A_, WGMMA = WGMMA_, WS = WS_, MX = MX_;
+  static_assert(!MX || FP4, "MXFP4 is a 4-bit format");
   // plan.h's view (a WS tile's bf16 form: the plan's row names twice the weight rows, gemm_bn)
   static constexpr GemmConfig kPlan{BM, WS && !FP4 ? 2 * BN : BN, BK, WARPS_M, WARPS_N, STAGES, WEIGHTS_AS_A,
                                     WGMMA, WS};
@@ -55,9 +57,9 @@ template <class C> __device__ __forceinline__ uint8_t* stage_base(uint8_t* smem)
 // one wgmma m64nBMk16 a k16 step, into the same fragments as BM / 8 token groups of mma.sync.
 // WS (sm_90a): a producer warpgroup and WARPS_N / 4 math warpgroups, each 128 weight rows (64 for bf16 weights) x
 // BM tokens.
-template <GemmTile tile, bool FP4, GemmConfig g = kGemmConfigs[static_cast<int>(tile)]>
+template <GemmTile tile, bool FP4, bool MX = false, GemmConfig g = kGemmConfigs[static_cast<int>(tile)]>
 using TileOf = TileConfig<g.bm, gemm_bn(g, FP4), g.warps_m, g.warps_n, gemm_stages(g, FP4), FP4, g.weights_as_a,
-                          g.wgmma, g.ws>;
+                          g.wgmma, g.ws, MX>;
 static_assert(kNumGemmConfigs == 6 && static_cast<int>(GemmTile::SplitKDecode) == 0 &&
                   static_cast<int>(GemmTile::WeightsAsA32) == 1 && static_cast<int>(GemmTile::TokensAsA64) == 2 &&
                   static_cast<int>(GemmTile::Wgmma64) == 3 && static_cast<int>(GemmTile::WeightsAsA16) == 4 &&

@@ -16,9 +16,9 @@ __device__ __forceinline__ void weight_fragments(const uint8_t* st, const uint8_
   constexpr int kRow8 = 8 * Cfg::B_ROW_BYTES;  // row g + 8
   if constexpr (Cfg::FP4) {
     uint32_t w0[4][2], w1[4][2];
-    dev::fp4_row_fragments(*reinterpret_cast<const uint2*>(st), *reinterpret_cast<const uint32_t*>(sf), w0);
-    dev::fp4_row_fragments(*reinterpret_cast<const uint2*>(st + kRow8), *reinterpret_cast<const uint32_t*>(sf + 32),
-                           w1);
+    dev::fp4_row_fragments<Cfg::MX>(*reinterpret_cast<const uint2*>(st), *reinterpret_cast<const uint32_t*>(sf), w0);
+    dev::fp4_row_fragments<Cfg::MX>(*reinterpret_cast<const uint2*>(st + kRow8),
+                                    *reinterpret_cast<const uint32_t*>(sf + 32), w1);
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
       wa[s][0] = w0[s][0];
