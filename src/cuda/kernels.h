@@ -229,6 +229,8 @@ struct GemmProblem {
   // The weights-as-A kernel's PDL wait before its epilogue instead of before its mainloop (MoePlan::
   // gemms_beside_lora_shrinks): the mainloop reads only what kernels before the predecessor wrote.
   int wait_late = 0;
+  // Persistent grids (the warp-specialised tile): the grid's m tiles (a bound for routed tiles) and n tiles.
+  int m_tiles = 0, n_tiles = 0;
 };
 
 // GEMM1 epilogue: h = acc * s_half[e] * row_scale[token] (+bias) (+delta); a = act(g, u); bf16.

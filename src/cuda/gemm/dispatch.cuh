@@ -46,8 +46,15 @@ void launch_grouped(const GemmProblem& g, const typename Epi::Params& ep, int n_
   // A decode grid's m tiles are a bound: under expert parallelism most hold no rows. With the m tile slowest the
   // blocks that have work are the first dispatched, not spread among the empty ones.
   gl.m_last = g.m_last && Cfg::WEIGHTS_AS_A && !Cfg::WS && g.m_band <= 0 && m_tiles <= 65535 ? 1 : 0;
-  const dim3 grid = gl.m_last ? dim3(static_cast<unsigned>(n_tiles), splits, static_cast<unsigned>(m_tiles))
-                              : dim3(static_cast<unsigned>(m_tiles), static_cast<unsigned>(n_tiles), splits);
+  dim3 grid = gl.m_last ? dim3(static_cast<unsigned>(n_tiles), splits, static_cast<unsigned>(m_tiles))
+                        : dim3(static_cast<unsigned>(m_tiles), static_cast<unsigned>(n_tiles), splits);
+  if constexpr (Cfg::WS) {  // persistent: one block an SM over the grid's tiles (PersistentTiles)
+    gl.m_tiles = m_tiles;
+    gl.n_tiles = n_tiles;
+    int dev = 0;
+    check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
+    grid = dim3(static_cast<unsigned>(std::min<int64_t>(sm_count(dev), int64_t(m_tiles) * n_tiles)));
+  }
   launch_pdl(kernel, grid, dim3(Cfg::BLOCK_THREADS), Cfg::SMEM_BYTES, stream, "grouped_gemm_kernel", gl, ep);
 }
 

@@ -1,9 +1,10 @@
 // The grouped GEMM kernel of the warp-specialised wgmma tile (sm_90a, many rows an expert: WgmmaWs128): BM = 128
-// tokens x BN weight rows (256 NVFP4, 128 bf16), one block an SM. A producer warpgroup issues every copy (weights
-// and scales by bulk copies, tokens by cp.async; WsRing); two math warpgroups, holding the registers the producer
-// gives up (setmaxnreg), only decode, multiply and hand stages back (WsWgmmaMath), then run the weights-as-A
-// epilogue. Block (x, y) = (m tile, n tile) in the band order (grid_tile). Reads top to bottom: schedule, roles,
-// the epilogue's lookups beside the first copies, the mainloop chunk by chunk, the epilogue group by group.
+// tokens x BN weight rows (256 NVFP4, 128 bf16), one persistent block an SM walking its share of the tiles
+// (PersistentTiles). A producer warpgroup issues every copy (weights and scales by bulk copies, tokens by cp.async;
+// WsRing), running on into the next tile while the math warps finish one; two math warpgroups, holding the registers
+// the producer gives up (setmaxnreg), only decode, multiply and hand stages back (WsWgmmaMath), then run the
+// weights-as-A epilogue. Reads top to bottom: roles, then a tile's lookups beside its first copies, its mainloop chunk
+// by chunk, its epilogue group by group.
 //
 // Bits: the canonical K order (k_order.cuh) as every tile: a chunk's chain of k16 steps from zero in registers,
 // chunk sums added in chunk order in shared memory (a float4 a thread and accumulator, after the stages). No split-K.
@@ -36,70 +37,66 @@ __global__ void __launch_bounds__(Cfg::BLOCK_THREADS, 1) ws_wgmma_gemm_kernel(Ge
   uint8_t* smem = stage_base<Cfg>(smem_raw);
   dev::pdl_wait();
   dev::pdl_launch_dependents();
-  TileRows tr;
-  int nb;
-  if (!block_tile<Cfg::BM, Cfg::BN>(g, tr, nb)) return;
   const int KB = static_cast<int>(g.B.Kp / Cfg::BK);
   WsRing<Cfg> ring(smem);
+  PersistentTiles tiles(g);
+  TileRows tr;
+  int nb;
 
-  if (threadIdx.x >= Cfg::THREADS) {  // the producer warpgroup
+  if (threadIdx.x >= Cfg::THREADS) {  // the producer warpgroup: every tile's k-blocks, one ring
     dev::regs_dealloc<kWsProducerRegs>();
-    ring.produce(g, tr, nb, KB);
+    typename WsRing<Cfg>::Writer w;
+    while (tiles.next<Cfg::BM, Cfg::BN>(g, tr, nb)) ring.produce(w, g, tr, nb, KB);
+    ring.finish(w);
     return;
   }
   dev::regs_alloc<kWsMathRegs>();
 
-  // The epilogue's lookups (LoRA rows, each row's Epi::row_pre) while the first stages load.
   __shared__ dev::LoraRowRef s_lora_rows[Cfg::BM];
   __shared__ uint32_t s_lora_t0[Epilogue::kStageT0 ? Cfg::BM : 1][8];
   __shared__ typename Epi::RowPre s_row_pre[Cfg::BM];
-  if (ep.lora.table)
-    lora_lookup_rows<Cfg, Epi, Act>(g, ep, tr, nb, s_lora_rows, Epilogue::kStageT0 ? s_lora_t0 : nullptr);
-  {
-    const int i = Cfg::THREADS - 1 - static_cast<int>(threadIdx.x);
-    if (i < Cfg::BM && tr.row0 + i < tr.row_end) s_row_pre[i] = Epi::row_pre(ep, g, tr.row0 + i);
-  }
-
   // The chunk sums after the stages: accumulator (token group i, row group r) at [i * RG + r][thread].
   float4* sums = reinterpret_cast<float4*>(smem + Cfg::STAGES * Cfg::STAGE_BYTES) + threadIdx.x;
   Math math(ring);
-  float part[RG][GROUPS][4];
-  for (int kc = 0; kc < KB; kc += kChunkBlocks) {  // one K chunk: one chain per output
+  for (bool first = true; tiles.next<Cfg::BM, Cfg::BN>(g, tr, nb); first = false) {
+    if (!first) dev::named_sync<Cfg::THREADS>();  // the tile before's epilogue has read s_lora_rows, s_row_pre
+    // The epilogue's lookups (LoRA rows, each row's Epi::row_pre) while the first stages load.
+    if (ep.lora.table)
+      lora_lookup_rows<Cfg, Epi, Act>(g, ep, tr, nb, s_lora_rows, Epilogue::kStageT0 ? s_lora_t0 : nullptr);
+    {
+      const int i = Cfg::THREADS - 1 - static_cast<int>(threadIdx.x);
+      if (i < Cfg::BM && tr.row0 + i < tr.row_end) s_row_pre[i] = Epi::row_pre(ep, g, tr.row0 + i);
+    }
+
+    float part[RG][GROUPS][4];
+    for (int kc = 0; kc < KB; kc += kChunkBlocks) {  // one K chunk: one chain per output
 #pragma unroll
-    for (int r = 0; r < RG; ++r)
+      for (int r = 0; r < RG; ++r)
 #pragma unroll
-      for (int i = 0; i < GROUPS; ++i)
+        for (int i = 0; i < GROUPS; ++i)
 #pragma unroll
-        for (int q = 0; q < 4; ++q) part[r][i][q] = 0.f;
-    math.chunk(part, smem, ring, kc, min(kc + kChunkBlocks, KB));
+          for (int q = 0; q < 4; ++q) part[r][i][q] = 0.f;
+      math.chunk(part, smem, ring, kc, min(kc + kChunkBlocks, KB));
 #pragma unroll
-    for (int i = 0; i < GROUPS; ++i)
+      for (int r = 0; r < RG; ++r) add_chunk_shared<RG * Cfg::THREADS>(sums + r * Cfg::THREADS, part[r], kc == 0);
+    }
+
+    Epilogue epi(ep, tr, nb + (static_cast<int>(threadIdx.x) >> 5) * 16 * RG, s_lora_rows, s_lora_t0, s_row_pre);
+    dev::named_sync<Cfg::THREADS>();  // s_lora_rows, s_row_pre
+    const int groups = (tr.row_end - tr.row0 + 7) >> 3;
+    // A rolled loop over the token groups, the sums read back from shared memory (unrolled, the epilogue with its
+    // LoRA passes was most of a wgmma kernel's code: bench/NOTES.md, Version 11).
+#pragma unroll 1
+    for (int i = 0; i < groups; ++i) {
+      float ga[RG][4];
 #pragma unroll
       for (int r = 0; r < RG; ++r) {
-        float4 v = make_float4(part[r][i][0], part[r][i][1], part[r][i][2], part[r][i][3]);
-        if (kc > 0) {
-          const float4 s = sums[(i * RG + r) * Cfg::THREADS];
-          v = make_float4(__fadd_rn(s.x, v.x), __fadd_rn(s.y, v.y), __fadd_rn(s.z, v.z), __fadd_rn(s.w, v.w));
-        }
-        sums[(i * RG + r) * Cfg::THREADS] = v;
+        const float4 v = sums[(i * RG + r) * Cfg::THREADS];
+        ga[r][0] = v.x, ga[r][1] = v.y, ga[r][2] = v.z, ga[r][3] = v.w;
       }
-  }
-
-  Epilogue epi(ep, tr, nb + (static_cast<int>(threadIdx.x) >> 5) * 16 * RG, s_lora_rows, s_lora_t0, s_row_pre);
-  dev::named_sync<Cfg::THREADS>();  // s_lora_rows, s_row_pre
-  const int groups = (tr.row_end - tr.row0 + 7) >> 3;
-  // A rolled loop over the token groups, the sums read back from shared memory (unrolled, the epilogue with its
-  // LoRA passes was most of a wgmma kernel's code: bench/NOTES.md, Version 11).
-#pragma unroll 1
-  for (int i = 0; i < groups; ++i) {
-    float ga[RG][4];
-#pragma unroll
-    for (int r = 0; r < RG; ++r) {
-      const float4 v = sums[(i * RG + r) * Cfg::THREADS];
-      ga[r][0] = v.x, ga[r][1] = v.y, ga[r][2] = v.z, ga[r][3] = v.w;
+      if constexpr (Cfg::FP4) unscale_products(ga);
+      epi.group(i, ga);
     }
-    if constexpr (Cfg::FP4) unscale_products(ga);
-    epi.group(i, ga);
   }
 #else
   (void)g, (void)ep;

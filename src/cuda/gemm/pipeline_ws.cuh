@@ -47,28 +47,38 @@ template <class C> struct WsRing {
     __syncthreads();
   }
 
+  // The producer warpgroup's place in the ring, kept from tile to tile: the next stage, the parity its empty barrier
+  // must complete (a fresh barrier's phase "before the first" counts as complete: the first round passes), and the
+  // stage whose copies are still to be announced (-1: none).
+  struct Writer {
+    int s = 0, prev = -1;
+    uint32_t eph = 1;
+  };
   // The producer warpgroup: k-blocks [0, nkb) of one tile, each into the next stage once the math warps handed it
-  // back. A stage's cp.async copies are waited for one k-block later (the next stage's copies already issued), then
-  // fenced (wgmma reads them through the async proxy) and announced on the stage's full barrier.
-  template <class Rows> __device__ __forceinline__ void produce(const GemmProblem& g, const Rows& tr, int n0, int nkb) {
+  // back. A stage's cp.async copies are waited for one k-block later (the next stage's copies already issued, also
+  // across tiles), then fenced (wgmma reads them through the async proxy) and announced on the stage's full barrier.
+  template <class Rows>
+  __device__ __forceinline__ void produce(Writer& w, const GemmProblem& g, const Rows& tr, int n0, int nkb) const {
     TileLoader<C> ld(g, tr, n0, 0);
-    int s = 0, prev = 0;
-    uint32_t eph = 1;  // a fresh barrier's phase "before the first" counts as complete: the first round passes
     for (int j = 0; j < nkb; ++j) {
-      dev::mbar_wait(empty0 + 8 * s, eph);
-      ld.load_next(base + s * C::STAGE_BYTES, full0 + 8 * s);
+      dev::mbar_wait(empty0 + 8 * w.s, w.eph);
+      ld.load_next(base + w.s * C::STAGE_BYTES, full0 + 8 * w.s);
       dev::cp_async_commit();
-      if (j > 0) {
+      if (w.prev >= 0) {
         dev::cp_async_wait<1>();
         dev::fence_proxy_async();
-        dev::mbar_arrive(full0 + 8 * prev);
+        dev::mbar_arrive(full0 + 8 * w.prev);
       }
-      prev = s;
-      if (++s == S) s = 0, eph ^= 1u;
+      w.prev = w.s;
+      if (++w.s == S) w.s = 0, w.eph ^= 1u;
     }
+  }
+  // After the producer's last tile: the last stage announced.
+  __device__ __forceinline__ void finish(Writer& w) const {
     dev::cp_async_wait<0>();
     dev::fence_proxy_async();
-    if (nkb > 0) dev::mbar_arrive(full0 + 8 * prev);
+    if (w.prev >= 0) dev::mbar_arrive(full0 + 8 * w.prev);
+    w.prev = -1;
   }
 
   // A math warp's place in the ring: the stage of its next k-block and the parity of that stage's full phase.

@@ -51,4 +51,29 @@ template <int BM, int BN> __device__ __forceinline__ bool block_tile(const GemmP
   return resolve_tile<BM>(g, tr, m);
 }
 
+// The tiles of a persistent block (the warp-specialised tile: one block an SM, g.m_tiles x g.n_tiles in the band
+// order): places blockIdx.x, + gridDim.x, ... of the tiles that hold rows (a routed grid's m tiles are a bound; the
+// permutation's count is read once), so every block gets an equal share and the neighbouring tiles of a band run
+// at the same time, as a grid of one block a tile would run them.
+struct PersistentTiles {
+  int m_tiles, n_tiles, place;
+  __device__ __forceinline__ explicit PersistentTiles(const GemmProblem& g)
+      : m_tiles(g.tile_info ? min(g.m_tiles, g.tile_info[2 * g.max_tiles]) : g.m_tiles),
+        n_tiles(g.n_tiles),
+        place(static_cast<int>(blockIdx.x)) {}
+  // The next tile with rows: its rows tr and first weight row n0 (tiles of BN rows); false when none is left.
+  template <int BM, int BN> __device__ __forceinline__ bool next(const GemmProblem& g, TileRows& tr, int& n0) {
+    for (; place < m_tiles * n_tiles; place += static_cast<int>(gridDim.x)) {
+      int m, n;
+      tile_of(place, m_tiles, n_tiles, g.m_band, m, n);
+      n0 = n * BN;
+      if (resolve_tile<BM>(g, tr, m)) {
+        place += static_cast<int>(gridDim.x);
+        return true;
+      }
+    }
+    return false;
+  }
+};
+
 }  // namespace fp4moe::cuda_backend
