@@ -1,7 +1,7 @@
 // The stage ring of a warp-specialised tile (kernel_ws_wgmma.cuh): the producer warpgroup fills the stages, the
 // math warps only wait for a stage and hand it back. Stage s has a full barrier (each producer thread once its
-// cp.async copies of the stage landed and were fenced for the async proxy, plus the bulk copies' bytes) and an
-// empty barrier (one arrival a math warp once its wgmmas have read the stage). No __syncthreads in the loop.
+// cp.async copies of the stage landed, plus the bulk copies' bytes) and an empty barrier (one arrival a math warp
+// once its wgmmas have read the stage). No __syncthreads in the loop.
 #pragma once
 #include <cstdint>
 
@@ -47,48 +47,38 @@ template <class C> struct WsRing {
     __syncthreads();
   }
 
-  // The producer warpgroup's place in the ring, kept from tile to tile: the next stage, the parity its empty barrier
-  // must complete (a fresh barrier's phase "before the first" counts as complete: the first round passes), and the
-  // stage whose copies are still to be announced (-1: none).
+  // The producer warpgroup's place in the ring, kept from tile to tile: the next stage and the parity its empty
+  // barrier must complete (a fresh barrier's phase "before the first" counts as complete: the first round passes).
   struct Writer {
-    int s = 0, prev = -1;
+    int s = 0;
     uint32_t eph = 1;
   };
   // The producer warpgroup: k-blocks [0, nkb) of one tile, each into the next stage once the math warps handed it
-  // back. A stage's cp.async copies are waited for one k-block later (the next stage's copies already issued, also
-  // across tiles), then fenced (wgmma reads them through the async proxy) and announced on the stage's full barrier.
+  // back; each thread's arrival on the stage's full barrier fires when its copies have landed (no wait here).
   template <class Rows>
   __device__ __forceinline__ void produce(Writer& w, const GemmProblem& g, const Rows& tr, int n0, int nkb) const {
     TileLoader<C> ld(g, tr, n0, 0);
     for (int j = 0; j < nkb; ++j) {
       dev::mbar_wait(empty0 + 8 * w.s, w.eph);
       ld.load_next(base + w.s * C::STAGE_BYTES, full0 + 8 * w.s);
-      dev::cp_async_commit();
-      if (w.prev >= 0) {
-        dev::cp_async_wait<1>();
-        dev::fence_proxy_async();
-        dev::mbar_arrive(full0 + 8 * w.prev);
-      }
-      w.prev = w.s;
+      dev::cp_async_mbar_arrive(full0 + 8 * w.s);
       if (++w.s == S) w.s = 0, w.eph ^= 1u;
     }
   }
-  // After the producer's last tile: the last stage announced.
-  __device__ __forceinline__ void finish(Writer& w) const {
-    dev::cp_async_wait<0>();
-    dev::fence_proxy_async();
-    if (w.prev >= 0) dev::mbar_arrive(full0 + 8 * w.prev);
-    w.prev = -1;
-  }
+  // After the producer's last tile: its copies landed before it leaves.
+  __device__ __forceinline__ void finish(Writer&) const { dev::cp_async_wait<0>(); }
 
   // A math warp's place in the ring: the stage of its next k-block and the parity of that stage's full phase.
   struct Reader {
     int s = 0;
     uint32_t ph = 0;
   };
-  // The shared-space address of the reader's next stage once its copies landed; advances the reader.
+  // The shared-space address of the reader's next stage once its copies landed; advances the reader. The token rows
+  // came by cp.async (the generic proxy) and wgmma reads them through the async proxy: the PTX memory model asks for
+  // the proxy fence after the barrier that orders them.
   __device__ __forceinline__ uint32_t wait_full(Reader& r) const {
     dev::mbar_wait(full0 + 8 * r.s, r.ph);
+    dev::fence_proxy_async();
     const uint32_t st = base + r.s * C::STAGE_BYTES;
     if (++r.s == S) r.s = 0, r.ph ^= 1u;
     return st;
