@@ -43,6 +43,7 @@ enum class GemmTile : int32_t {
   Wgmma64 = 3,       // 64 tokens a tile, sm_90a wgmma with the decoded weights as its register A operand
   WeightsAsA16 = 4,  // up to 16 tokens a tile, the weights as the mma A operand
   WgmmaWs128 = 5,    // 128 tokens x 256 weight rows, sm_90a wgmma, warp-specialised (a producer warpgroup)
+  WgmmaWs64 = 6,     // 64 tokens x 256 weight rows, the same kernel, a deeper ring
 };
 const char* to_string(GemmTile t);
 

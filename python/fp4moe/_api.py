@@ -406,8 +406,8 @@ def moe(x, weights: MoeWeights, *, routing_logits=None, routing_bias=None, topk_
     [E_loc], or a scalar for all experts), in real units. Returns `out` when given, else a new tensor in
     x's framework (NumPy for host arrays, PyTorch for torch tensors). gemm_tile forces one of the CUDA
     backend's GEMM tiles (a GemmTile, its name or value: SplitKDecode, WeightsAsA16, WeightsAsA32,
-    TokensAsA64, Wgmma64, WgmmaWs128; "auto", the default: the plan's choice) for benchmarking; every tile gives
-    the same bits (SPEC §4), so it never changes the output.
+    TokensAsA64, Wgmma64, WgmmaWs128, WgmmaWs64; "auto", the default: the plan's choice) for benchmarking;
+    every tile gives the same bits (SPEC §4), so it never changes the output.
     workspace_budget: bytes the token-proportional workspace buffers may take (0, the default: 4 GiB); a
     larger batch runs in equal chunks that fit (same bits). A given `workspace` must be sized by
     workspace_size with the same budget.

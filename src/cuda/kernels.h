@@ -321,7 +321,7 @@ void launch_order_by_adapter(const PermuteParams& p, cudaStream_t stream);
 int compute_capability(int dev);
 // Device dev's SM count (cached per device; backend.cu).
 int sm_count(int dev);
-// Whether device dev runs the sm_90a wgmma tiles (plan.h kGemmConfigs[3], [4]; ProblemShape::wgmma): compute capability
+// Whether device dev runs the sm_90a wgmma tiles (plan.h kGemmConfigs' wgmma rows; ProblemShape::wgmma): compute capability
 // 9.0 and a build with sm_90a code.
 bool wgmma_supported_on(int dev);
 void launch_gemm1(int config, WeightFormat fmt, ActivationType act, const GemmProblem& g, const Epilogue1Params& e,

@@ -222,7 +222,7 @@ constexpr int64_t kLoraThinI = 256, kLoraThinRows = 80;
 // The warp-specialised wgmma tile from this many expected rows an expert, on experts of I >= kWsMinI (make_plan).
 constexpr int64_t kWsRows = 80, kWsMinI = 384;
 
-constexpr int kNumGemmConfigs = 6;
+constexpr int kNumGemmConfigs = 7;
 inline constexpr GemmConfig kGemmConfigs[kNumGemmConfigs] = {
     {8, 128, 64, 1, 4, 8, true},   // decode: <= 8 rows per expert tile, 32 weight rows a warp, many bytes in flight
     {32, 128, 64, 1, 4, 6, true},  // up to 512 rows an expert (plan.cpp), in tiles of <= 32 rows
@@ -235,6 +235,8 @@ inline constexpr GemmConfig kGemmConfigs[kNumGemmConfigs] = {
     // sm_90a, many rows an expert: 128 tokens x 256 weight rows, two math warpgroups of 128 weight rows (32 a warp),
     // a producer warpgroup; one block an SM (the chunk sums take 128 KB).
     {128, 256, 64, 1, 8, 3, true, true, true},
+    // sm_90a, 24-80 rows an expert: the same kernel with 64 tokens (chunk sums 64 KB), six stages.
+    {64, 256, 64, 1, 8, 6, true, true, true},
     // (A 128-token wgmma tile with producer warps and one persistent block an SM was retired: with the tile bands
     // it was never faster than the one above; it is in git history up to revision 1ee7f89.)
 };

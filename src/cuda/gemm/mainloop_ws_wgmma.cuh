@@ -19,6 +19,7 @@ namespace fp4moe::cuda_backend {
 template <class Cfg> struct WsWgmmaMath {
   static constexpr int RG = Cfg::ROW_GROUPS, GROUPS = Cfg::BM / 8;
   static_assert(Cfg::WS && (RG == 1 || RG == 2) && Cfg::BN == 16 * RG * Cfg::WARPS_N, "warp-specialised wgmma tile");
+  static_assert(RG == 1 || Cfg::FP4, "two row groups a warp: NVFP4 weights (fp4_bytes)");
   using Ring = WsRing<Cfg>;
   uint32_t w_off[RG], sf_off[RG];  // this lane's weight and scale bytes of row group r in a stage (dev::opaque)
   uint64_t desc0;                  // the tokens of stage 0, k16 step 0
@@ -43,15 +44,19 @@ template <class Cfg> struct WsWgmmaMath {
                                         int kb_begin, int kb_end) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     uint32_t wa[2][4][4];
-    // One unit: row group r of the stage at offset off (from the ring's base), decoded into w.
-    auto unit = [&](uint32_t (&w)[4][4], uint32_t off, int r) {
-      weight_fragments<Cfg>(smem + off + w_off[r], smem + off + sf_off[r], w);
+    // One unit's wgmmas: row group r's fragments w times the tokens of the stage at offset off (from the ring's base).
+    auto mma = [&](uint32_t (&w)[4][4], uint32_t off, int r) {
       dev::wgmma_fence_acc(part[r]);
       dev::wgmma_fence();
 #pragma unroll
       for (int s = 0; s < 4; ++s)
         dev::Wgmma<Cfg::BM>::rs(part[r], w[s], dev::wgmma_desc_advance(desc0, off + 32 * s), true);
       dev::wgmma_commit();
+    };
+    // One unit, decoded here: row group r of the stage at offset off.
+    auto unit = [&](uint32_t (&w)[4][4], uint32_t off, int r) {
+      weight_fragments<Cfg>(smem + off + w_off[r], smem + off + sf_off[r], w);
+      mma(w, off, r);
     };
     auto next_stage = [&](uint32_t& off) {
       const int s = rd.s;
@@ -60,18 +65,23 @@ template <class Cfg> struct WsWgmmaMath {
     };
     int kb = kb_begin;
     if constexpr (RG == 2) {
-      // A k-block's two units: buffer r for row group r. Before unit (kb, 1) the units up to (kb - 1, 1) are done:
-      // the stage before is free.
+      // A k-block's two units: buffer r for row group r. Each unit's shared-memory reads are issued before the wait
+      // for the unit two back, so only its decode (not the reads' latency) stands between that wait and its wgmmas.
+      // Before unit (kb, 1) the units up to (kb - 1, 1) are done: the stage before is free.
       int prev = -1;
       for (; kb < kb_end; ++kb) {
         uint32_t off;
         const int s = next_stage(off);
+        const Fp4Bytes b0 = fp4_bytes<Cfg>(smem + off + w_off[0], smem + off + sf_off[0]);
         dev::wgmma_wait<1>();
-        unit(wa[0], off, 0);
+        fp4_fragments(b0, wa[0]);
+        mma(wa[0], off, 0);
+        const Fp4Bytes b1 = fp4_bytes<Cfg>(smem + off + w_off[1], smem + off + sf_off[1]);
         dev::wgmma_wait<1>();
         if (prev >= 0) ring.release(prev);
         prev = s;
-        unit(wa[1], off, 1);
+        fp4_fragments(b1, wa[1]);
+        mma(wa[1], off, 1);
       }
       dev::wgmma_wait<0>();
       if (prev >= 0) ring.release(prev);

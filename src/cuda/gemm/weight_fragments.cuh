@@ -7,6 +7,30 @@
 
 namespace fp4moe::cuda_backend {
 
+// A lane's NVFP4 bytes of one row group and k-block (rows g and g + 8: values and scale words), read from shared
+// memory apart from their decode so that a mainloop can issue the reads before it waits on the tensor cores.
+struct Fp4Bytes {
+  uint2 v0, v1;
+  uint32_t s0, s1;
+};
+template <class Cfg> __device__ __forceinline__ Fp4Bytes fp4_bytes(const uint8_t* st, const uint8_t* sf) {
+  constexpr int kRow8 = 8 * Cfg::B_ROW_BYTES;  // row g + 8
+  return Fp4Bytes{*reinterpret_cast<const uint2*>(st), *reinterpret_cast<const uint2*>(st + kRow8),
+                  *reinterpret_cast<const uint32_t*>(sf), *reinterpret_cast<const uint32_t*>(sf + 32)};
+}
+__device__ __forceinline__ void fp4_fragments(const Fp4Bytes& b, uint32_t wa[4][4]) {
+  uint32_t w0[4][2], w1[4][2];
+  dev::fp4_row_fragments(b.v0, b.s0, w0);
+  dev::fp4_row_fragments(b.v1, b.s1, w1);
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    wa[s][0] = w0[s][0];
+    wa[s][1] = w1[s][0];
+    wa[s][2] = w0[s][1];
+    wa[s][3] = w1[s][1];
+  }
+}
+
 // One warp's A fragments (16 weight rows x one k16 step) for the 4 steps of a k-block in shared memory:
 // thread (g, t) holds rows g and g + 8 at k = 2t, 2t+1 and 2t+8, 2t+9 — in the prepared layout, the bytes
 // that the mma.sync tile reads as B fragments of the same rows. st: the thread's bytes of row g (row g's start +
@@ -15,17 +39,7 @@ template <class Cfg>
 __device__ __forceinline__ void weight_fragments(const uint8_t* st, const uint8_t* sf, uint32_t wa[4][4]) {
   constexpr int kRow8 = 8 * Cfg::B_ROW_BYTES;  // row g + 8
   if constexpr (Cfg::FP4) {
-    uint32_t w0[4][2], w1[4][2];
-    dev::fp4_row_fragments(*reinterpret_cast<const uint2*>(st), *reinterpret_cast<const uint32_t*>(sf), w0);
-    dev::fp4_row_fragments(*reinterpret_cast<const uint2*>(st + kRow8), *reinterpret_cast<const uint32_t*>(sf + 32),
-                           w1);
-#pragma unroll
-    for (int s = 0; s < 4; ++s) {
-      wa[s][0] = w0[s][0];
-      wa[s][1] = w1[s][0];
-      wa[s][2] = w0[s][1];
-      wa[s][3] = w1[s][1];
-    }
+    fp4_fragments(fp4_bytes<Cfg>(st, sf), wa);
   } else {
     const uint4 a0 = *reinterpret_cast<const uint4*>(st);
     const uint4 a1 = *reinterpret_cast<const uint4*>(st + 16);
