@@ -3,7 +3,9 @@
 
 Per case (model shape of SPEC §1, T tokens): routing from fp32 logits in torch (the shape's method), sort of the
 (token, slot) pairs by local expert, gather of x, grouped GEMM gate_up, the shape's activation in fp32, grouped GEMM
-down, then the weighted sum over the k slots in fp32. With --lora (default on) the same plus eight rank-16 adapters,
+down, then the weighted sum over the k slots in fp32; a shape's shared expert (qwen3_next_80b_a3b) runs as two dense
+GEMMs on every token, weighted by sigmoid(x . g) when gated, and is added in the same fp32 sum, as `fp4moe bench` runs
+it (biases of SwigluBias shapes are left out, as before). With --lora (default on) the same plus eight rank-16 adapters,
 every token adapted (adapter t % 8): the pairs are sorted by (expert, adapter) and the shrink / expand products run as
 two more grouped GEMMs per projection over stacked per-(expert, adapter) matrices.
 
@@ -33,16 +35,18 @@ from bench_cases import lora_case
 
 # ---- model shapes (SPEC §1): read from include/fp4moe/model_shapes.h, the one home of the table ----------------
 _FALLBACK_SHAPES = [
-    # name, H, I, E, k, routing, n_group, topk_group, rsf, activation, alpha, beta, clamp, E_loc
-    ("kimi_k3_tp8", 3584, 384, 384, 8, "DeepSeekV3", 1, 1, 1.0, "Situ", 4.0, 25.0, 0.0, 384),
-    ("qwen3_30b_a3b", 2048, 768, 128, 8, "RenormalizeNaive", 1, 1, 1.0, "Swiglu", 1.0, 0.0, 0.0, 128),
-    ("qwen3_30b_a3b_tp4", 2048, 192, 128, 8, "RenormalizeNaive", 1, 1, 1.0, "Swiglu", 1.0, 0.0, 0.0, 128),
-    ("deepseek_v3_ep8", 7168, 2048, 256, 8, "DeepSeekV3", 8, 4, 2.5, "Swiglu", 1.0, 0.0, 0.0, 32),
-    ("mixtral_8x7b", 4096, 14336, 8, 2, "Renormalize", 1, 1, 1.0, "Swiglu", 1.0, 0.0, 0.0, 8),
-    ("gpt_oss_120b", 2880, 2880, 128, 4, "Renormalize", 1, 1, 1.0, "SwigluBias", 1.702, 1.0, 7.0, 128),
+    # name, H, I, E, k, routing, n_group, topk_group, rsf, activation, alpha, beta, clamp, E_loc, shared_I, shared_gate
+    ("kimi_k3_tp8", 3584, 384, 384, 8, "DeepSeekV3", 1, 1, 1.0, "Situ", 4.0, 25.0, 0.0, 384, 0, False),
+    ("qwen3_30b_a3b", 2048, 768, 128, 8, "RenormalizeNaive", 1, 1, 1.0, "Swiglu", 1.0, 0.0, 0.0, 128, 0, False),
+    ("qwen3_30b_a3b_tp4", 2048, 192, 128, 8, "RenormalizeNaive", 1, 1, 1.0, "Swiglu", 1.0, 0.0, 0.0, 128, 0, False),
+    ("deepseek_v3_ep8", 7168, 2048, 256, 8, "DeepSeekV3", 8, 4, 2.5, "Swiglu", 1.0, 0.0, 0.0, 32, 0, False),
+    ("mixtral_8x7b", 4096, 14336, 8, 2, "Renormalize", 1, 1, 1.0, "Swiglu", 1.0, 0.0, 0.0, 8, 0, False),
+    ("gpt_oss_120b", 2880, 2880, 128, 4, "Renormalize", 1, 1, 1.0, "SwigluBias", 1.702, 1.0, 7.0, 128, 0, False),
+    ("qwen3_next_80b_a3b", 2048, 512, 512, 10, "RenormalizeNaive", 1, 1, 1.0, "Swiglu", 1.0, 0.0, 0.0, 512, 512,
+     True),
 ]
 _FIELDS = ["name", "H", "I", "E", "k", "routing", "n_group", "topk_group", "rsf", "activation", "alpha", "beta",
-           "clamp", "E_loc"]
+           "clamp", "E_loc", "shared_I", "shared_gate"]
 DEFAULT_TOKENS = [1, 8, 64, 256, 1024, 4096, 16384]
 N_ADAPTERS, RANK = 8, 16
 MAX_GROUPS = 1023  # groups per torch._grouped_mm call on CUDA: its check is group_count < 1024 ("Can't process more than 1024 groups")
@@ -54,11 +58,16 @@ def load_shapes():
     rows = []
     if os.path.exists(header):
         pat = re.compile(r'\{"(\w+)",\s*(\d+),\s*(\d+),\s*(\d+),\s*(\d+),\s*RoutingMethod::(\w+),\s*(\d+),\s*(\d+),\s*'
-                         r'([\d.]+)f,\s*ActivationType::(\w+),\s*([\d.]+)f,\s*([\d.]+)f,\s*([\d.]+)f,\s*(\d+)\}')
+                         r'([\d.]+)f,\s*ActivationType::(\w+),\s*([\d.]+)f,\s*([\d.]+)f,\s*([\d.]+)f,\s*(\d+)'
+                         r'(?:,\s*(\d+)(?:,\s*(true|false))?)?\s*\}')  # shared_I and shared_gate have defaults
         for m in pat.finditer(open(header).read()):
             g = m.groups()
             rows.append((g[0], int(g[1]), int(g[2]), int(g[3]), int(g[4]), g[5], int(g[6]), int(g[7]), float(g[8]),
-                         g[9], float(g[10]), float(g[11]), float(g[12]), int(g[13])))
+                         g[9], float(g[10]), float(g[11]), float(g[12]), int(g[13]), int(g[14] or 0), g[15] == "true"))
+        text = open(header).read()
+        missed = len(re.findall(r'\{"\w+",\s*\d', text)) - len(rows)
+        if missed:  # a row of another form would silently leave its shape out of every run
+            raise ValueError(f"{header}: {missed} model shape row(s) not parsed; update load_shapes' pattern")
     if not rows:
         rows = _FALLBACK_SHAPES
     return {r[0]: dict(zip(_FIELDS, r)) for r in rows}
@@ -156,6 +165,12 @@ class TorchMoe:
         self.w1t, self.w2t = self.w1.transpose(1, 2), self.w2.transpose(1, 2)
         self.bias = (torch.randn(self.E_total, generator=gen, device=device) * 0.1) if shape["routing"] == "DeepSeekV3" \
             else None
+        self.shared_I = shape.get("shared_I", 0)
+        if self.shared_I:
+            Is = self.shared_I
+            self.ws1t = rn(2 * Is, H, sd=1 / math.sqrt(H)).t()
+            self.ws2t = rn(H, Is, sd=1 / math.sqrt(Is)).t()
+            self.gate = rn(H, sd=0.05) if shape.get("shared_gate") else None
         self.lora = lora
         if lora:
             r, A = RANK, N_ADAPTERS
@@ -200,7 +215,16 @@ class TorchMoe:
         out = torch.empty_like(o)
         out[order] = o
         wl = torch.where(local, w, 0.0)
-        return (out.view(T, k, -1) * wl[..., None]).sum(1).to(torch.bfloat16)
+        y = (out.view(T, k, -1) * wl[..., None]).sum(1)
+        if self.shared_I:
+            y = y + self.shared_part(x)
+        return y.to(torch.bfloat16)
+
+    def shared_part(self, x):
+        """The shared expert's output on every token, times sigmoid(x . g) when gated, fp32 [T, H]."""
+        a = activation(self.shape, (x @ self.ws1t).float()).to(torch.bfloat16)
+        o = (a @ self.ws2t).float()
+        return o if self.gate is None else o * torch.sigmoid(x.float() @ self.gate.float())[:, None]
 
 
 def reference_loop(m, x, ids, w, adapter_ids=None, offset=0):
@@ -222,6 +246,10 @@ def reference_loop(m, x, ids, w, adapter_ids=None, offset=0):
             if adapter_ids is not None:
                 o = o + m.b2[g].double().cpu() @ (m.a2[g].double().cpu() @ a)
             y[t] += float(w[t, j]) * o
+    if m.shared_I:
+        a = activation(m.shape, xd @ m.ws1t.double().cpu())
+        o = a @ m.ws2t.double().cpu()
+        y += o if m.gate is None else o * torch.sigmoid(xd @ m.gate.double().cpu())[:, None]
     return y
 
 
@@ -230,9 +258,11 @@ def selftest(device):
     worst = 0.0
     ok = True
     for name, act_shape, E, E_loc, off in [("swiglu", "qwen3_30b_a3b", 8, 8, 0), ("swiglubias", "gpt_oss_120b", 8, 8, 0),
-                                           ("situ", "kimi_k3_tp8", 8, 8, 0), ("ep", "deepseek_v3_ep8", 16, 4, 4)]:
+                                           ("situ", "kimi_k3_tp8", 8, 8, 0), ("ep", "deepseek_v3_ep8", 16, 4, 4),
+                                           ("shared", "qwen3_next_80b_a3b", 8, 8, 0)]:
         sh = dict(shapes[act_shape])
         sh["E"], sh["k"] = E, min(sh["k"], 4)
+        sh["shared_I"] = min(sh["shared_I"], 32)
         if sh["n_group"] > 1:
             sh["n_group"], sh["topk_group"] = 4, 2
         for lora in (False, True):
@@ -429,7 +459,8 @@ def run(args):
         sh = shapes[name]
         m = TorchMoe(sh, device, 100 + si, not args.no_lora)
         H, I, E, k = sh["H"], sh["I"], sh["E"], sh["k"]
-        print(f"== {name} (H={H} I={I} E={E} E_loc={sh['E_loc']} k={k}) [{time.time() - t0:.1f} s]", flush=True)
+        shared = f" shared_I={sh['shared_I']}{' gated' if sh['shared_gate'] else ''}" if sh["shared_I"] else ""
+        print(f"== {name} (H={H} I={I} E={E} E_loc={sh['E_loc']} k={k}{shared}) [{time.time() - t0:.1f} s]", flush=True)
         for T in tokens:
             xs = [torch.randn(T, H, device=device).to(torch.bfloat16) for _ in range(sets)]
             ls = [torch.randn(T, E, device=device) for _ in range(sets)]
@@ -459,6 +490,10 @@ def run(args):
                     wb = experts * 2 * (2 * I * H + H * I)
                     lb = pairs * 2 * RANK * (H + 2 * I + I + H) if lora else 0.0
                     flops = 2 * slots * (2 * I * H + H * I) + (2 * slots * RANK * (H + 2 * I + I + H) if lora else 0)
+                    if m.shared_I:  # every token runs it (and the gate's dot product when gated)
+                        gated = m.gate is not None
+                        wb += 2 * 3 * m.shared_I * H + (2 * H if gated else 0)
+                        flops += 2 * T * 3 * m.shared_I * H + (2 * T * H if gated else 0)
                     io = T * (2 * H + 2 * H + 4 * E + (4 if lora else 0))
                     med = percentile(ts, 50)
                     s_ = med * 1e-6

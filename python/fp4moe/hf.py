@@ -1,5 +1,5 @@
-"""A drop-in for the sparse MoE blocks of HuggingFace transformers 5 (Qwen3-MoE, Mixtral, Qwen2-MoE, Qwen3-Next),
-with PEFT LoRA.
+"""A drop-in for the sparse MoE blocks of HuggingFace transformers 5 (Qwen3-MoE, Mixtral, Qwen2-MoE, Qwen3-Next,
+gpt-oss), with PEFT LoRA.
 
     import fp4moe.hf
     swap = fp4moe.hf.swap_moe_blocks(model, quantize=True)      # NVFP4 experts, fused op per MoE layer
@@ -8,12 +8,17 @@ with PEFT LoRA.
 
 What is replaced. Every module whose class is one of SUPPORTED_BLOCKS (or a subclass, or any class named in
 `block_classes`) with a router `gate` and fused experts `experts.gate_up_proj` [E, 2I, H] (gate rows first) and
-`experts.down_proj` [E, H, I]. transformers 5 routing, mapped onto RoutingMethod:
+`experts.down_proj` [E, H, I] (gpt-oss: router `router`, transposed interleaved experts, below). transformers 5 routing, mapped onto RoutingMethod:
 
 - Qwen3-MoE, Qwen2-MoE, Qwen3-Next: softmax over E, top-k, then / sum when `norm_topk_prob`
   -> RenormalizeNaive (4); without norm_topk_prob -> Default (0).
 - Mixtral (`MixtralTopKRouter`): softmax, top-k, / sum, which equals top-k of the logits then softmax over the
   k chosen -> Renormalize (1).
+- gpt-oss (`GptOssMLP`, router `mlp.router` with a bias): top-k of the logits, then softmax over the k chosen
+  -> Renormalize (1). Its experts hold gate and up interleaved (`is_concatenated` False: gate j at column 2j, up j at
+  2j+1 of `gate_up_proj` [E, H, 2I]) with biases; they are reordered gate rows first. The activation is SwigluBias
+  with the experts' `alpha` (1.702), beta 1 (gpt-oss's `up + 1`) and clamp `limit` (7). The block returns
+  (hidden_states, router_scores) as GptOssMLP does.
 
 Qwen2-MoE and Qwen3-Next blocks also hold a `shared_expert` (gate_proj, up_proj, down_proj) scaled by
 `sigmoid(shared_expert_gate(x))`: it runs inside the same op (fp4moe's shared expert with `shared_expert_gate`,
@@ -36,6 +41,7 @@ one adapter slot per sequence (a mixed batch; -1 = base). PEFT merges the delta 
 Checkpoints. `swap_moe_blocks(model, checkpoint=DIR)` fills the blocks from an NVFP4 checkpoint's own experts
 (ModelOpt or compressed-tensors, read by fp4moe.checkpoint.load_moe_layer; layer N is the block whose module name
 holds `layers.N.`) instead of quantizing the model's weights: the rest of the model stays as transformers loaded it.
+gpt-oss runs from its MXFP4 release this way (the experts' E2M1 codes and E8M0 scales as they are, A16).
 Every layer is read and prepared before any block is replaced, so a bad file leaves the model untouched.
 
 Numerics vs transformers: the op accumulates in fp32 and rounds once to bf16 (SPEC §3.2); transformers rounds every
@@ -62,7 +68,7 @@ __all__ = ["Fp4MoeSparseMoeBlock", "MoeSwap", "swap_moe_blocks", "set_active_ada
            "routing_method_of", "activation_of", "SUPPORTED_BLOCKS"]
 
 SUPPORTED_BLOCKS = ("Qwen3MoeSparseMoeBlock", "MixtralSparseMoeBlock", "Qwen2MoeSparseMoeBlock",
-                    "Qwen3NextSparseMoeBlock")
+                    "Qwen3NextSparseMoeBlock", "GptOssMLP")
 # transformers' norm_topk_prob default where the block does not record it.
 _NORM_TOPK_DEFAULT = {"Qwen3Moe": True, "Qwen2Moe": False, "Qwen3Next": True}
 
@@ -85,15 +91,27 @@ def _unwrap_experts(experts):
     return m, wrappers
 
 
+def _router_of(block):
+    """The block's router module: `gate` (Qwen, Mixtral) or `router` (gpt-oss)."""
+    gate = getattr(block, "gate", None)
+    return gate if gate is not None else getattr(block, "router", None)
+
+
+def _is_gpt_oss(block) -> bool:
+    return type(block).__name__.startswith("GptOss") or type(_router_of(block)).__name__.startswith("GptOss")
+
+
 def routing_method_of(block) -> RoutingMethod:
     """The RoutingMethod that reproduces a transformers MoE block's router."""
     name = type(block).__name__
-    gate_name = type(getattr(block, "gate", None)).__name__
-    if name.startswith("Mixtral") or gate_name.startswith("Mixtral"):
+    router = _router_of(block)
+    gate_name = type(router).__name__
+    # Both take the top-k of the logits and softmax over the k chosen (Mixtral's softmax-top-k-renormalize equals it).
+    if name.startswith(("Mixtral", "GptOss")) or gate_name.startswith(("Mixtral", "GptOss")):
         return RoutingMethod.Renormalize
     for family, default in _NORM_TOPK_DEFAULT.items():
         if name.startswith(family) or gate_name.startswith(family):
-            norm = getattr(block.gate, "norm_topk_prob", getattr(block, "norm_topk_prob", default))
+            norm = getattr(router, "norm_topk_prob", getattr(block, "norm_topk_prob", default))
             return RoutingMethod.RenormalizeNaive if norm else RoutingMethod.Default
     raise error("block", f"no known routing for {name} (router {gate_name}); pass routing_method explicitly")
 
@@ -111,6 +129,14 @@ def activation_of(act_fn) -> ActivationType:
     raise error("act_fn", f"unsupported expert activation {type(act_fn).__name__} (expected silu or gelu)")
 
 
+def _activation_params(block, experts):
+    """(activation, (alpha, beta, clamp_limit) or None) of a block's experts: gpt-oss's SwigluBias with the experts'
+    alpha and limit and beta 1 (its `(up + 1) * glu`), else activation_of(experts.act_fn) without parameters."""
+    if _is_gpt_oss(block):
+        return ActivationType.SwigluBias, (float(experts.alpha), 1.0, float(experts.limit))
+    return activation_of(experts.act_fn), None
+
+
 class Fp4MoeSparseMoeBlock(nn.Module):
     """A transformers sparse MoE block computed by the fused fp4moe operator (torch.ops.fp4moe.moe)."""
 
@@ -118,7 +144,8 @@ class Fp4MoeSparseMoeBlock(nn.Module):
                  num_experts: int, activation, adapters: Optional["_api.AdapterRegistry"] = None,
                  adapter_slots: Optional[dict] = None, active_adapter: Optional[str] = None, routing: str = "fused",
                  source: str = "", shared_expert: Optional["_api.MoeWeights"] = None,
-                 shared_expert_gate: Optional[torch.Tensor] = None):
+                 shared_expert_gate: Optional[torch.Tensor] = None, activation_params=None,
+                 returns_router_scores: bool = False):
         super().__init__()
         if routing not in ("fused", "hf"):
             raise error("routing", f"expected 'fused' or 'hf', got {routing!r}")
@@ -135,6 +162,9 @@ class Fp4MoeSparseMoeBlock(nn.Module):
         self.activation = int(activation)
         self.routing = routing
         self.source = source
+        # SwigluBias's (alpha, beta, clamp_limit) as floats, or None (the activation's defaults)
+        self.activation_params = None if activation_params is None else tuple(float(v) for v in activation_params)
+        self.returns_router_scores = bool(returns_router_scores)  # gpt-oss's block returns (y, router_scores)
         self.active_slot = -1
         self.adapter_ids: Optional[torch.Tensor] = None  # per sequence [B], int32 (set_adapter_ids)
         self.workspace: Optional[torch.Tensor] = None
@@ -181,13 +211,17 @@ class Fp4MoeSparseMoeBlock(nn.Module):
             elif self.active_slot >= 0:
                 ids = torch.full((h.shape[0],), self.active_slot, dtype=torch.int32, device=h.device)
                 adapters = self.adapters
+        params = {}
+        if self.activation_params is not None:
+            params = dict(zip(("gemm1_alpha", "gemm1_beta", "gemm1_clamp_limit"), self.activation_params))
         y = _ops.moe(x, self.weights, top_k=self.top_k, routing_method=self.routing_method,
                      activation=self.activation, num_experts_total=self.num_experts, adapters=adapters,
                      adapter_ids=ids, workspace=self.workspace, shared_expert=self.shared_expert,
-                     shared_expert_gate=self.shared_expert_gate, **routing)
+                     shared_expert_gate=self.shared_expert_gate, **routing, **params)
         if y.dtype != hidden_states.dtype:
             y = y.to(hidden_states.dtype)
-        return y.reshape(shape)
+        y = y.reshape(shape)
+        return (y, router_weights) if self.returns_router_scores else y
 
 
 @dataclass
@@ -214,12 +248,25 @@ def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(parent, child, module)
 
 
+def _gate_first(t, interleaved: bool):
+    """Rows (dim 1 of [E, 2I, ...], or the last dim of a bias [E, 2I]) reordered gate rows first when interleaved."""
+    if not interleaved:
+        return t
+    return torch.cat([t[:, 0::2], t[:, 1::2]], 1)
+
+
 def _expert_tensors(experts):
-    """gate_up [E, 2I, H], down [E, H, I] of a transformers experts module (handles is_transposed)."""
+    """gate_up [E, 2I, H] (gate rows first), down [E, H, I], and the biases (gate_up [E, 2I], down [E, H]) or None
+    of a transformers experts module (handles is_transposed, and gpt-oss's interleaved gate/up: is_concatenated
+    False)."""
     gu, dn = experts.gate_up_proj.detach(), experts.down_proj.detach()
     if getattr(experts, "is_transposed", False):  # stored [E, H, 2I] / [E, I, H]
         gu, dn = gu.transpose(1, 2), dn.transpose(1, 2)
-    return gu, dn
+    interleaved = not getattr(experts, "is_concatenated", True)
+    b1, b2 = getattr(experts, "gate_up_proj_bias", None), getattr(experts, "down_proj_bias", None)
+    b1 = None if b1 is None else _gate_first(b1.detach(), interleaved)
+    b2 = None if b2 is None else b2.detach()
+    return _gate_first(gu, interleaved), dn, b1, b2
 
 
 def _shared_tensors(block, name: str, act):
@@ -263,6 +310,9 @@ def _write_back(experts, w1: np.ndarray, w2: np.ndarray) -> None:
     with torch.no_grad():
         gu = torch.from_numpy(w1)
         dn = torch.from_numpy(w2)
+        if not getattr(experts, "is_concatenated", True):  # back to gpt-oss's interleaved gate/up rows
+            half = gu.shape[1] // 2
+            gu = torch.stack([gu[:, :half], gu[:, half:]], 2).reshape(gu.shape)
         if getattr(experts, "is_transposed", False):
             gu, dn = gu.transpose(1, 2), dn.transpose(1, 2)
         experts.gate_up_proj.copy_(gu.to(experts.gate_up_proj.dtype))
@@ -349,7 +399,8 @@ def swap_moe_blocks(model: nn.Module, *, quantize: bool = True, adapters="auto",
     Returns a MoeSwap (restore() undoes the swap)."""
     classes = tuple(block_classes)
     targets = [(n, m) for n, m in model.named_modules()
-               if any(c.__name__ in classes for c in type(m).__mro__) and hasattr(m, "gate") and hasattr(m, "experts")]
+               if any(c.__name__ in classes for c in type(m).__mro__) and _router_of(m) is not None
+               and hasattr(m, "experts")]
     if not targets:
         raise error("model", f"no MoE block of the classes {list(classes)} found")
     active = _peft_active_adapter(model) if adapters not in (None, False) else None
@@ -363,11 +414,12 @@ def swap_moe_blocks(model: nn.Module, *, quantize: bool = True, adapters="auto",
     new_blocks = []  # replaced only once every block is ready: an error leaves the model as it was
     for name, block in targets:
         experts, wrappers = _unwrap_experts(block.experts)
-        gu, dn = _expert_tensors(experts)
+        gu, dn, b1, b2 = _expert_tensors(experts)
         E, n1, H = gu.shape
-        act = activation_of(experts.act_fn)
+        act, act_params = _activation_params(block, experts)
         method = routing_method_of(block)
-        top_k = int(getattr(block.gate, "top_k", getattr(block, "top_k", getattr(block, "num_experts_per_tok", 0))))
+        router = _router_of(block)
+        top_k = int(getattr(router, "top_k", getattr(block, "top_k", getattr(block, "num_experts_per_tok", 0))))
         if top_k <= 0:
             raise error("model", f"{name}: cannot find the router's top_k")
         dev = device
@@ -376,16 +428,16 @@ def swap_moe_blocks(model: nn.Module, *, quantize: bool = True, adapters="auto",
         st = _shared_tensors(block, name, act)
         shared = shared_gate = None
         if ck is not None:
-            weights, shared, shared_gate = _checkpoint_weights(ck, name, act, dev, E, H, n1, st)
+            weights, shared, shared_gate = _checkpoint_weights(ck, name, act, act_params, dev, E, H, n1, st)
         elif quantize:
-            q = _api.quantize_weights(gu, dn, gate_up_order="gate_first", activation=act)
+            q = _api.quantize_weights(gu, dn, gate_up_order="gate_first", activation=act, bias1=b1, bias2=b2)
             weights = _api.prepare_weights(**q, gate_up_order="gate_first", activation=act, device=dev)
             if write_back:
                 w1, w2 = _api.dequantize_weights(**q)
                 _write_back(experts, w1, w2)
         else:
             weights = _api.from_hf_experts(gu.to(torch.bfloat16), dn.to(torch.bfloat16), quantize=False,
-                                           activation=act, device=dev)
+                                           activation=act, device=dev, gate_up_bias=b1, down_bias=b2)
         if st is not None and ck is None:  # the shared expert prepared as the routed ones
             sgu, sdn, sgate = st
             if quantize:
@@ -401,6 +453,8 @@ def swap_moe_blocks(model: nn.Module, *, quantize: bool = True, adapters="auto",
         registry = None
         slots = {}
         if adapters not in (None, False) and wrappers:
+            if not getattr(experts, "is_concatenated", True):
+                raise error("adapters", f"{name}: PEFT LoRA on interleaved gate/up experts (gpt-oss) is not supported")
             names = []
             for wr in wrappers:
                 for n in wr.lora_A.keys():
@@ -422,10 +476,11 @@ def swap_moe_blocks(model: nn.Module, *, quantize: bool = True, adapters="auto",
                 tensors, r, alpha, rslora = got
                 registry.load(slot, tensors, layout="peft_fused", rank=r, lora_alpha=alpha, use_rslora=rslora)
                 slots[an] = slot
-        new = Fp4MoeSparseMoeBlock(block.gate, weights, top_k=top_k, routing_method=method, num_experts=E,
+        new = Fp4MoeSparseMoeBlock(router, weights, top_k=top_k, routing_method=method, num_experts=E,
                                    activation=act, adapters=registry, adapter_slots=slots,
                                    active_adapter=active if active in slots else None, routing=routing,
-                                   source=type(block).__name__, shared_expert=shared, shared_expert_gate=shared_gate)
+                                   source=type(block).__name__, shared_expert=shared, shared_expert_gate=shared_gate,
+                                   activation_params=act_params, returns_router_scores=_is_gpt_oss(block))
         if use_workspace and max_tokens > 0:
             new.workspace = _ops.workspace_for(weights, max_tokens, top_k, activation=act,
                                                routing_from_logits=routing == "fused", shared_expert=shared,
@@ -438,20 +493,26 @@ def swap_moe_blocks(model: nn.Module, *, quantize: bool = True, adapters="auto",
     return swap
 
 
-def _checkpoint_weights(ck, name: str, act, device, E: int, H: int, n1: int, shared_tensors):
+def _checkpoint_weights(ck, name: str, act, act_params, device, E: int, H: int, n1: int, shared_tensors):
     """(experts, shared expert or None, its gate or None) of block `name` from the checkpoint, checked against the
-    block's shapes (shared_tensors: _shared_tensors of the block)."""
+    block's shapes and activation parameters (shared_tensors: _shared_tensors of the block)."""
     import re
     from . import checkpoint as _ckpt
     m = re.search(r"(?:^|\.)layers\.(\d+)\.", name + ".")
     if m is None:
         raise error("checkpoint", f"{name}: cannot tell the block's layer index from its module name")
-    layer = _ckpt.load_moe_layer(ck, int(m.group(1)), device=device, activation=act,
+    # With parameters (gpt-oss) the checkpoint's own are read and compared below, not overridden by the model's.
+    layer = _ckpt.load_moe_layer(ck, int(m.group(1)), device=device, activation=act if act_params is None else None,
                                  shared_expert=shared_tensors is not None)
     w = layer.weights
     if (w.num_experts, w.hidden, 2 * w.inter if w.gated else w.inter) != (E, H, n1):
         raise error("checkpoint", f"{name}: the checkpoint's layer {m.group(1)} has E={w.num_experts}, H={w.hidden}, "
                                   f"I={w.inter}; the model's block has E={E}, H={H}, N1={n1}")
+    if act_params is not None:
+        got = (layer.gemm1_alpha, layer.gemm1_beta, layer.gemm1_clamp_limit)
+        if layer.activation != act or any(g is None or abs(g - p) > 1e-6 * abs(p) for g, p in zip(got, act_params)):
+            raise error("checkpoint", f"{name}: the checkpoint's layer {m.group(1)} runs {layer.activation.name} "
+                                      f"{got}; the model's experts {act.name} {act_params} (alpha, beta, limit)")
     if shared_tensors is None:
         return w, None, None
     s, g = layer.shared_expert, layer.shared_expert_gate

@@ -40,9 +40,10 @@ struct Outcome {
   std::vector<std::string> labels;  // backend runs seen by the hook
 };
 
-// The tiny problem: qwen3_30b_a3b_tp4 (H 2048, I 192) with 8 experts and 12 tokens.
-Outcome run(std::vector<std::string> extra, const fp4moe::CheckHooks& hooks = {}) {
-  std::vector<std::string> args{"--backend", "cpu", "--shape", "qwen3_30b_a3b_tp4", "--experts", "8", "--tokens", "12"};
+// The tiny problem: qwen3_30b_a3b_tp4 (H 2048, I 192) with 8 experts and 12 tokens (or another shape and count).
+Outcome run(std::vector<std::string> extra, const fp4moe::CheckHooks& hooks = {},
+            const std::string& shape = "qwen3_30b_a3b_tp4", const std::string& experts = "8") {
+  std::vector<std::string> args{"--backend", "cpu", "--shape", shape, "--experts", experts, "--tokens", "12"};
   args.insert(args.end(), extra.begin(), extra.end());
   std::vector<char*> av;
   for (auto& a : args) av.push_back(a.data());
@@ -102,6 +103,18 @@ TEST(Check, PassesOnTheCpuBackendAtATinySize) {
   for (const char* l : {"base", "adapter7", "batch8", "requests12", "zero_b", "bridge_fused", "bridge_delta",
                         "base_empty_registry", "base_after_unload"})
     EXPECT_NE(std::find(o.labels.begin(), o.labels.end(), l), o.labels.end()) << l;
+}
+
+TEST(Check, CoversTheGatedSharedExpertOfQwen3Next) {
+  // 16 of its 512 experts (top-10), its shared expert (I 512) and sigmoid gate in every run.
+  const Outcome o = run({"--activations", "swiglu", "--modes", "a16"}, {}, "qwen3_next_80b_a3b", "16");
+  EXPECT_EQ(o.rc, 0) << o.out;
+  EXPECT_EQ(last_line(o.out), "35 passed, 0 failed");
+  EXPECT_NE(o.out.find("shared expert I=512 sigmoid-gated"), std::string::npos) << o.out;
+  EXPECT_TRUE(has_line(o.out, "PASS  qwen3_next_80b_a3b swiglu A16 | invariants | shared expert weighted by sigmoid(x . g)",
+                       "gate's effect"))
+      << o.out;
+  EXPECT_TRUE(has_line(o.out, "-- qwen3_next_80b_a3b swiglu A16", "invariants 6/6")) << o.out;
 }
 
 TEST(Check, CatchesAWrongValueInTheMixedBatch) {

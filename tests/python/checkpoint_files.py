@@ -198,14 +198,35 @@ def gpt_oss_model(d: Path, *, layers=1, E=4, H=32, I=16, seed=2):
     return write_checkpoint(d, t, config=config), truth
 
 
+def mxfp4_decode(blocks, scales):
+    """float64 [..., n, k] of MXFP4 blocks U8 [..., n, k/32, 16] (element 2i in the low nibble) and E8M0 scales."""
+    codes = np.stack([blocks & 15, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], 32)
+    vals = E2M1.astype(np.float64)[codes] * np.exp2(scales.astype(np.float64) - 127)[..., None]
+    return vals.reshape(*blocks.shape[:-2], -1)
+
+
 def mxfp4_tensor(rng, E: int, n: int, k: int, e_lo: int = 118, e_hi: int = 124):
     """Random MXFP4 tensors in gpt-oss's layout: blocks U8 [E, n, k/32, 16] (element 2i in the low nibble), E8M0
     scales U8 [E, n, k/32], and the values they decode to (float64 [E, n, k])."""
     blocks = rng.integers(0, 256, (E, n, k // 32, 16), dtype=np.uint8)
     scales = rng.integers(e_lo, e_hi + 1, (E, n, k // 32), dtype=np.uint8)
-    codes = np.stack([blocks & 15, blocks >> 4], axis=-1).reshape(E, n, k // 32, 32)
-    vals = E2M1.astype(np.float64)[codes] * np.exp2(scales.astype(np.float64) - 127)[..., None]
-    return blocks, scales, vals.reshape(E, n, k)
+    return blocks, scales, mxfp4_decode(blocks, scales)
+
+
+# gpt-oss's release quantization config (the router, attention, embeddings and head stay bf16).
+MXFP4_QUANT_CONFIG = {"quant_method": "mxfp4",
+                      "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                 "model.embed_tokens", "lm_head"]}
+
+
+def gpt_oss_mxfp4_layer(L: int, b1, s1, bias1, b2, s2, bias2, router_w, router_b) -> dict:
+    """Layer L's MoE tensors in gpt-oss's release layout: gate_up blocks, scales and bias with the rows as given
+    (interleaved in the release: gate j at row 2j, up j at 2j+1), down the same, the router weight and bias."""
+    mb = f"model.layers.{L}.mlp."
+    return {mb + "experts.gate_up_proj_blocks": b1, mb + "experts.gate_up_proj_scales": s1,
+            mb + "experts.gate_up_proj_bias": bias1, mb + "experts.down_proj_blocks": b2,
+            mb + "experts.down_proj_scales": s2, mb + "experts.down_proj_bias": bias2,
+            mb + "router.weight": router_w, mb + "router.bias": router_b}
 
 
 def gpt_oss_mxfp4_model(d: Path, *, layers=1, E=4, H=64, I=64, seed=3, swiglu_limit=7.0):
@@ -215,14 +236,10 @@ def gpt_oss_mxfp4_model(d: Path, *, layers=1, E=4, H=64, I=64, seed=3, swiglu_li
     rng = np.random.default_rng(seed)
     t, truth = {}, {}
     for L in range(layers):
-        mb = f"model.layers.{L}.mlp."
         b1, s1, v1 = mxfp4_tensor(rng, E, 2 * I, H)
         b2, s2, v2 = mxfp4_tensor(rng, E, H, I)
         bias1, bias2 = bf16(rng, E, 2 * I), bf16(rng, E, H)
-        t.update({mb + "experts.gate_up_proj_blocks": b1, mb + "experts.gate_up_proj_scales": s1,
-                  mb + "experts.gate_up_proj_bias": bias1, mb + "experts.down_proj_blocks": b2,
-                  mb + "experts.down_proj_scales": s2, mb + "experts.down_proj_bias": bias2,
-                  mb + "router.weight": bf16(rng, E, H), mb + "router.bias": bf16(rng, E)})
+        t.update(gpt_oss_mxfp4_layer(L, b1, s1, bias1, b2, s2, bias2, bf16(rng, E, H), bf16(rng, E)))
         order = np.concatenate([np.arange(0, 2 * I, 2), np.arange(1, 2 * I, 2)])  # gate rows, then up
         truth[L] = {"w1": v1[:, order], "w2": v2, "bias1": bias1[:, order].astype(np.float32),
                     "bias2": bias2.astype(np.float32),
@@ -230,9 +247,7 @@ def gpt_oss_mxfp4_model(d: Path, *, layers=1, E=4, H=64, I=64, seed=3, swiglu_li
                                  "w2": b2.reshape(E, H, I // 2), "w2_scale": s2}}
     config = {"model_type": "gpt_oss", "num_local_experts": E, "experts_per_token": 2, "num_experts_per_tok": 2,
               "hidden_size": H, "intermediate_size": I, "swiglu_limit": swiglu_limit, "hidden_act": "silu",
-              "quantization_config": {"quant_method": "mxfp4",
-                                      "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
-                                                                 "model.embed_tokens", "lm_head"]}}
+              "quantization_config": MXFP4_QUANT_CONFIG}
     return write_checkpoint(d, t, config=config), truth
 
 

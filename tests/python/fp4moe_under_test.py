@@ -27,3 +27,11 @@ def import_fp4moe(*submodules: str):
         pytest.skip(f"fp4moe extension not built ({e}); build with -DFP4MOE_BUILD_PYTHON=ON and set "
                     f"FP4MOE_BUILD_DIR, or pip install .", allow_module_level=True)
     return (fp4moe, *subs) if subs else fp4moe
+
+
+def torch_devices(fp4moe, torch) -> list:
+    """"cpu", and "cuda" when this build has the CUDA backend and a GPU is usable (tests of the torch integrations)."""
+    info = fp4moe.build_info()
+    if torch.cuda.is_available() and info["with_cuda"] and info["cuda_devices"] > 0:
+        return ["cpu", "cuda"]
+    return ["cpu"]

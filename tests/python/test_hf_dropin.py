@@ -18,7 +18,7 @@ peft = pytest.importorskip("peft", reason="needs peft")
 if int(transformers.__version__.split(".")[0]) < 5:
     pytest.skip("needs transformers >= 5 (fused experts)", allow_module_level=True)
 
-from fp4moe_under_test import REPO, import_fp4moe  # noqa: E402
+from fp4moe_under_test import REPO, import_fp4moe, torch_devices  # noqa: E402
 
 
 fp4moe, _ = import_fp4moe("hf")
@@ -28,11 +28,7 @@ TINY = dict(hidden=64, inter=32, experts=4, top_k=2, layers=2, vocab=128, batch=
 
 
 def _devices():
-    devs = ["cpu"]
-    info = fp4moe.build_info()
-    if torch.cuda.is_available() and info["with_cuda"] and info["cuda_devices"] > 0:
-        devs.append("cuda")
-    return devs
+    return torch_devices(fp4moe, torch)
 
 
 def _tiny_peft(seed=0, dtype=torch.float32, adapters=("default",)):

@@ -1,7 +1,8 @@
 // `fp4moe check`: the validation harness. For each model shape and each (activation, A16/A4) config
 // it runs the phases of the original release (individual adapters 8/8, eight adapters in one batch
 // 8/8, mixed adapter and base requests 12/12) against an oracle, plus the SPEC §4/§5 invariants
-// (zero-B adapters, load/unload, base tokens in a mixed batch, bridges, two process launches).
+// (zero-B adapters, load/unload, base tokens in a mixed batch, bridges, two process launches), and for a shape
+// with a shared expert (qwen3_next_80b_a3b) its weight sigmoid(x . g) in the oracle.
 //
 // Oracle: the CPU reference on the same synthetic weights and adapters; Precision::Fp32 when the
 // backend under test is CUDA, Precision::Fp64 (an independent, unrounded run) when it is the CPU
@@ -97,6 +98,12 @@ std::string act_list(const std::vector<ActivationType>& acts) {
   return s;
 }
 
+// ", shared expert I=512 sigmoid-gated" for a shape with one, else "".
+std::string shared_note(const ModelShape& s) {
+  if (s.shared_I <= 0) return "";
+  return ", shared expert I=" + std::to_string(s.shared_I) + (s.shared_gate ? " sigmoid-gated" : "");
+}
+
 void run_shape(const Context& ctx, const ModelShape& shape) {
   ShapeSetup S = make_setup(shape, ctx.experts > 0 ? ctx.experts : shape.E_loc, ctx.tokens, ctx.opt.format);
   const bool cpu = ctx.backend == Backend::CPU;
@@ -104,13 +111,13 @@ void run_shape(const Context& ctx, const ModelShape& shape) {
   if (!ctx.opt.child) {
     const std::string reduced = S.E_loc < shape.E_loc ? " (reduced from " + std::to_string(shape.E_loc) + ")" : "";
     std::printf("== %s: H=%lld I=%lld k=%lld, %lld local experts%s, router over %lld (local window at %lld), T=%lld tokens, "
-                "%s routing, %s weights, backend %s vs the CPU reference (%s)\n",
+                "%s routing, %s weights%s, backend %s vs the CPU reference (%s)\n",
                 std::string(shape.name).c_str(), (long long)S.H, (long long)S.I, (long long)S.k, (long long)S.E_loc,
                 reduced.c_str(), (long long)S.E_total, (long long)S.offset, (long long)S.T,
                 to_string(shape.routing),
                 (std::string(S.layer.order == GateUpOrder::UpFirst ? "up-first " : "gate-first ") +
                  (S.layer.format == WeightFormat::MXFP4 ? "MXFP4" : "NVFP4")).c_str(),
-                cpu ? "CPU reference (fp32)" : "CUDA", cpu ? "fp64" : "fp32");
+                shared_note(shape).c_str(), cpu ? "CPU reference (fp32)" : "CUDA", cpu ? "fp64" : "fp32");
     std::fflush(stdout);
   }
   const Executor dut(ctx.backend, Precision::Fp32, S);

@@ -1,6 +1,8 @@
 // The case runner of `fp4moe check` (check_case.h).
 #include "check_case.h"
 
+#include <algorithm>
+#include <cmath>
 #include <stdexcept>
 #include <string>
 
@@ -23,6 +25,49 @@ template <class F> void guarded(Reporter& rep, const std::string& scope, const s
   } catch (const std::exception& e) {
     rep.add(scope, phase, name, false, std::string("error: ") + e.what());
   }
+}
+
+// The shared expert's part of the oracle's output (with it minus without it) is its ungated part times
+// sigmoid(x_t . g) computed here in double (times 1 without a gate), and both the part and the gate move the output.
+void check_shared_expert(const Context& ctx, const ShapeSetup& S, const Executor& oracle, const Config& c,
+                         const std::vector<double>& r_base) {
+  const bool gated = !S.shared_gate.empty();
+  const std::string name = gated ? "shared expert weighted by sigmoid(x . g)" : "shared expert added with weight 1";
+  guarded(ctx.rep, c.name, "invariants", name, [&] {
+    if (r_base.empty()) throw std::runtime_error("no reference output (its run failed above)");
+    CallSpec without{"oracle_without_shared"}, ungated{"oracle_ungated_shared"};
+    without.shared = SharedRun::Without;
+    ungated.shared = SharedRun::Ungated;
+    std::vector<double> r_without, r_ungated;
+    oracle.run(c, without, nullptr, &r_without);
+    if (gated) oracle.run(c, ungated, nullptr, &r_ungated);
+    const int64_t T = S.T, H = S.H;
+    double err = 0, part = 0, rest = 0, gate_move = 0, lo = 1, hi = 0;
+    for (int64_t t = 0; t < T; ++t) {
+      double dot = 0;
+      for (int64_t h = 0; h < H && gated; ++h)
+        dot += double(bf16_bits_to_f32(S.x[t * H + h])) * double(bf16_bits_to_f32(S.shared_gate[h]));
+      const double w = gated ? 1 / (1 + std::exp(-dot)) : 1;
+      lo = std::min(lo, w);
+      hi = std::max(hi, w);
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t i = t * H + h;
+        const double got = r_base[i] - r_without[i], full = gated ? r_ungated[i] - r_without[i] : got;
+        err += (got - w * full) * (got - w * full);
+        part += w * full * w * full;
+        rest += r_without[i] * r_without[i];
+        gate_move += (got - full) * (got - full);
+      }
+    }
+    const double rel = std::sqrt(err / part), effect = std::sqrt(part / rest);
+    const double gate_effect = gated ? std::sqrt(gate_move / part) : kMinEffect;
+    ctx.rep.add(c.name, "invariants", name, rel <= kTolSharedWeight && effect >= kMinEffect && gate_effect >= kMinEffect,
+                "oracle's shared part vs " + (gated ? "sigmoid(x . g) in [" + fmt("%.3f", lo) + ", " + fmt("%.3f", hi) + "]" : std::string("1")) +
+                    " times its ungated part: rel_l2 " + fmt("%.2e", rel) + " (<= " + fmt("%.0e", kTolSharedWeight) +
+                    "); effect vs without it " + fmt("%.3e", effect) +
+                    (gated ? ", gate's effect " + fmt("%.3e", gate_effect) : std::string()) + " (>= " +
+                    fmt("%.0e", kMinEffect) + ")");
+  });
 }
 
 }  // namespace
@@ -213,6 +258,7 @@ LaunchOutputs run_config(const Context& ctx, ShapeSetup& S, const Executor& dut,
             "registry-empty before loading vs base: " + std::to_string(d1) + ", after unloading all: " +
                 std::to_string(d2) + " differing bf16 values");
   });
+  if (S.shared.E > 0) check_shared_expert(ctx, S, oracle, c, r_base);
   return out;
 }
 

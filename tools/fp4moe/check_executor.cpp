@@ -30,6 +30,7 @@ Executor::Executor(Backend backend, Precision precision, const ShapeSetup& S)
     : backend_(backend), precision_(precision), S_(S) {
   WeightsDesc d = const_cast<SyntheticLayer&>(S.layer).desc();
   weights_ = prepare_weights(d, backend, 0);
+  if (S.shared.E > 0) shared_ = prepare_weights(const_cast<SyntheticLayer&>(S.shared).desc(), backend, 0);
 }
 
 void Executor::run(const Config& c, const CallSpec& call, std::vector<uint16_t>* bits, std::vector<double>* values) const {
@@ -43,7 +44,8 @@ void Executor::run(const Config& c, const CallSpec& call, std::vector<uint16_t>*
                 call.adapter_ids ? call.adapter_ids->data() : nullptr,
                 call.delta ? call.delta->data() : nullptr,
                 call.topk_ids ? call.topk_ids->data() : nullptr,
-                call.topk_weights ? call.topk_weights->data() : nullptr};
+                call.topk_weights ? call.topk_weights->data() : nullptr,
+                S_.shared_gate.empty() ? nullptr : S_.shared_gate.data()};
   if (backend_ == Backend::CPU) {
     if (bits) {
       bits->assign(T * H, 0x7fc0);  // NaN: a row the run failed to write shows up
@@ -72,10 +74,11 @@ void Executor::run(const Config& c, const CallSpec& call, std::vector<uint16_t>*
                      db = device_copy(call.topk_ids ? nullptr : in.bias, Et * 4), dal = device_copy(in.alpha, E * 4),
                      dbe = device_copy(in.beta, E * 4), dcl = device_copy(in.clamp, E * 4), di = device_copy(in.ids, T * 4),
                      dd = device_copy(in.delta, T * k * N1 * 2), dti = device_copy(in.topk_ids, T * k * 4),
-                     dtw = device_copy(in.topk_w, T * k * 4);
+                     dtw = device_copy(in.topk_w, T * k * 4), dg = device_copy(in.shared_gate, H * 2);
   bits->assign(T * H, 0x7fc0);
   const DeviceBuffer dy = device_copy(bits->data(), T * H * 2);
-  HostInputs dev{dx.get(), dl.get(), db.get(), dal.get(), dbe.get(), dcl.get(), di.get(), dd.get(), dti.get(), dtw.get()};
+  HostInputs dev{dx.get(),  dl.get(), db.get(),  dal.get(), dbe.get(), dcl.get(),
+                 di.get(),  dd.get(), dti.get(), dtw.get(), dg.get()};
   MoeArgs a = make_args(c, call, dev, Backend::CUDA);
   a.y = make_view(dy.get(), DType::BF16, {T, H}, Backend::CUDA, 0);
   moe_run(weights_, a);
@@ -120,6 +123,10 @@ MoeArgs Executor::make_args(const Config& c, const CallSpec& call, const HostInp
     a.adapter_ids = view(in.ids, DType::I32, {T});
   }
   a.gate_up_lora_delta = view(in.delta, DType::BF16, {T, k, N1});
+  if (shared_.valid() && call.shared != SharedRun::Without) {
+    a.shared_expert = &shared_;
+    if (call.shared == SharedRun::AsShape) a.shared_expert_gate = view(in.shared_gate, DType::BF16, {H});
+  }
   a.precision = precision_;
   return a;
 }

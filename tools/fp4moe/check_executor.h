@@ -10,6 +10,9 @@
 
 namespace fp4moe::check {
 
+// How a run uses the shape's shared expert: as the shape has it, without its gate (weight 1), or not at all.
+enum class SharedRun { AsShape, Ungated, Without };
+
 // What one run takes besides the config: adapters, bridge input, routing form.
 struct CallSpec {
   std::string label;
@@ -18,11 +21,12 @@ struct CallSpec {
   const std::vector<uint16_t>* delta = nullptr;  // gate_up_lora_delta [T, k, N1]
   const std::vector<int32_t>* topk_ids = nullptr;  // precomputed routing (with topk_weights)
   const std::vector<float>* topk_weights = nullptr;
+  SharedRun shared = SharedRun::AsShape;
 };
 
 // Host pointers of every input, turned into views on the executor's device.
 struct HostInputs {
-  const void *x, *logits, *bias, *alpha, *beta, *clamp, *ids, *delta, *topk_ids, *topk_w;
+  const void *x, *logits, *bias, *alpha, *beta, *clamp, *ids, *delta, *topk_ids, *topk_w, *shared_gate;
 };
 
 // The backend under test or the oracle: prepared weights and the run call on one device.
@@ -45,6 +49,7 @@ class Executor {
   Precision precision_;
   const ShapeSetup& S_;
   MoeWeights weights_;
+  MoeWeights shared_;  // valid() when the shape has a shared expert
 };
 
 }  // namespace fp4moe::check

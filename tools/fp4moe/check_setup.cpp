@@ -67,6 +67,9 @@ ShapeSetup make_setup(const ModelShape& shape, int64_t experts, int64_t tokens, 
     S.router_bias = random_f32(S.E_total, seed + 3, 0.1f);
   for (int a = 0; a < kNumAdapters; ++a)
     S.adapters.push_back(make_synthetic_adapter(S.layer, kRank, seed + 100 + a, adapter_layout(a)));
+  if (shape.shared_I > 0) S.shared = make_synthetic_shared_expert(shape, shape.shared_I, seed + 400, format);
+  // Small enough that x . g stays in sigmoid's sloped range, so the gate weighs each token differently.
+  if (shape.shared_gate) S.shared_gate = random_bf16(S.H, seed + 401, 0.05f);
   for (LoraLayout l : {LoraLayout::PeftFused, LoraLayout::PerExpert, LoraLayout::SharedOuter})
     S.zero_b.push_back(make_synthetic_adapter(S.layer, kRank, seed + 200 + static_cast<int>(l), l, /*zero_b=*/true));
 

@@ -41,6 +41,8 @@ struct ShapeSetup {
   // The gate_up-only adapter of the bridge invariant (PEFT fused, one +-1 per A row and one +-1/8 per B
   // row, scale 1): every product and sum is exact, so its delta is the same whatever the summation order.
   std::vector<uint16_t> exact_a, exact_b;
+  SyntheticLayer shared;              // the shape's shared expert (ModelShape::shared_I > 0), else E = 0
+  std::vector<uint16_t> shared_gate;  // its bf16 sigmoid gate [H] (ModelShape::shared_gate), else empty
 };
 
 // The shape with at most `experts` local experts and `tokens` tokens, everything seeded by the shape's name.
