@@ -94,7 +94,7 @@ def test_opcheck_cpu():
     w = _weights()
     x, logits = _inputs(4)
     args = (x, w.handle, logits, None, None, None, K, 4, 1, 1, 1.0, 3, None, None, None, 0, 0, 0, 0.0, 0.0, 0, 1.0,
-            0.0, 0.0, False, 0, None, None)
+            0.0, 0.0, False, None, 0, None, None)
     torch.library.opcheck(torch.ops.fp4moe.moe.default, args)
 
 
@@ -107,7 +107,7 @@ def test_dead_handle_is_an_error():
     x, logits = _inputs(2)
     with pytest.raises(fp4moe.Fp4MoeError) as ei:
         torch.ops.fp4moe.moe(x, h, logits, None, None, None, K, 4, 1, 1, 1.0, 3, None, None, None, 0, 0, 0, 0.0,
-                             0.0, 0, 1.0, 0.0, 0.0, False, 0, None, None)
+                             0.0, 0, 1.0, 0.0, 0.0, False, None, 0, None, None)
     assert ei.value.argument == "weights"
 
 
