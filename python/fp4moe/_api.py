@@ -19,6 +19,9 @@ from ._errors import ErrorCode, Fp4MoeError, error, renamed
 from ._tensors import (BF16, E4M3, INT32_RANGE, as_arg, as_float, as_int, device_of, empty_bf16, is_torch, per_expert,
                        require_ndim, shape_of, to_host_float, to_int32)
 
+from ._dequant import dequantize_weights  # noqa: F401  (fp4moe.dequantize_weights, hf)
+from ._peft import list_peft_expert_modules, peft_expert_matrices, read_peft_experts_lora  # noqa: F401
+
 _C = _loader.C
 
 
@@ -338,46 +341,6 @@ class AdapterRegistry:
         return f"fp4moe.AdapterRegistry({n}/{self.num_slots} slots loaded, weights={self.weights!r})"
 
 
-def read_peft_experts_lora(adapter_dir: str, module_prefix: str, *, num_experts: int = 0, expert_offset: int = 0,
-                           num_local_experts: int = 0) -> dict:
-    """A saved PEFT adapter's LoRA for one MoE layer (the C++ reader, include/fp4moe/peft.h): a dict with
-    a_gate_up [E, r, H], b_gate_up [E, 2I, r] (gate rows first), a_down [E, r, I], b_down [E, H, r] as
-    NumPy bfloat16 (the targets present), plus E, H, I, N1, rank, lora_alpha, use_rslora."""
-    d = dict(_C.read_peft_experts_lora(str(adapter_dir), str(module_prefix), int(num_experts), int(expert_offset),
-                                       int(num_local_experts)))
-    if BF16 is not None:
-        for k in ("a_gate_up", "b_gate_up", "a_down", "b_down"):
-            if k in d:
-                d[k] = d[k].view(BF16)
-    return d
-
-
-def list_peft_expert_modules(adapter_dir: str) -> list:
-    """The module prefixes (for read_peft_experts_lora / AdapterRegistry.load_peft) that carry fused-expert
-    LoRA in a saved PEFT adapter."""
-    return list(_C.list_peft_expert_modules(str(adapter_dir)))
-
-
-def peft_expert_matrices(lora_A, lora_B, num_experts: int):
-    """PEFT `target_parameters` LoRA of HF fused experts -> per-expert stacks (SPEC §5).
-
-    lora_A [r*E, in] and lora_B [out, r*E] (the expert index is outer in A, inner in B) become
-    A [E, r, in] and B [E, out, r], in the framework of the inputs (NumPy or PyTorch)."""
-    ra, n_in = require_ndim(lora_A, "lora_A", 2, "[r*E, in]")
-    n_out, rb = require_ndim(lora_B, "lora_B", 2, "[out, r*E]")
-    E = int(num_experts)
-    if E <= 0 or ra % E or ra != rb:
-        raise error("lora_B", f"expected lora_A [r*E, in] and lora_B [out, r*E] with E={E}, got "
-                              f"{[ra, n_in]} and {[n_out, rb]}")
-    r = ra // E
-    A = lora_A.reshape(E, r, n_in)
-    B3 = lora_B.reshape(n_out, r, E)
-    B = B3.permute(2, 0, 1) if is_torch(B3) else np.transpose(B3, (2, 0, 1))
-    if is_torch(B):
-        return A.contiguous(), B.contiguous()
-    return np.ascontiguousarray(A), np.ascontiguousarray(B)
-
-
 # ---- the operator -------------------------------------------------------------------------------------------
 
 def _stream_of(stream, x, device):
@@ -546,58 +509,6 @@ def workspace_size(weights: MoeWeights, num_tokens: int, top_k: int, *, routing_
 _WORKSPACE_NAMES = {"T": "num_tokens", "H": "weights", "I": "weights", "E_loc": "weights",
                     "E_total": "num_experts_total", "k": "top_k", "format": "weights", "routing.top_k": "top_k", "routing.n_group": "n_group",
                     "shared_inter": "shared_expert"}
-
-
-_E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32)
-
-
-def _decode_nvfp4(packed, scales, scale2, n_rows: int, k: int, swizzled: bool, half_rows: int | None):
-    """[E, N, K/2] codes + block scales + per-expert (or per-half) global scales -> float32 [E, N, K]."""
-    packed = np.asarray(packed, dtype=np.uint8)
-    E = packed.shape[0]
-    codes = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(E, n_rows, k)
-    sf = np.asarray(scales)
-    sf = (sf.view(np.uint8).view(E4M3) if sf.dtype != E4M3 else sf).astype(np.float32)
-    if swizzled:
-        sf = sf.reshape(E, -1)
-        nC = (k // 16 + 3) // 4
-        m = np.arange(n_rows)[:, None]
-        c = np.arange(k // 16)[None, :]
-        off = (m // 128) * nC * 512 + (c // 4) * 512 + (m % 32) * 16 + ((m % 128) // 32) * 4 + (c % 4)
-        sf = sf[:, off]
-    else:
-        sf = sf.reshape(E, n_rows, k // 16)
-    vals = _E2M1_VALUES[codes] * np.repeat(sf, 16, axis=-1)
-    s2 = np.asarray(scale2, dtype=np.float32)
-    if s2.ndim == 2:  # per half
-        per_row = np.concatenate([np.repeat(s2[:, :1], half_rows, axis=1), np.repeat(s2[:, 1:2], half_rows, axis=1)],
-                                 axis=1)
-        return vals * per_row[:, :, None]
-    return vals * s2.reshape(E, 1, 1)
-
-
-def dequantize_weights(w1, w1_scale, w1_scale2, w2, w2_scale, w2_scale2, *, scale_layout="linear", **_ignored):
-    """NVFP4 expert weights (prepare_weights' arguments, e.g. quantize_weights' output) -> dense float32
-    NumPy (w1 [E, N1, H], w2 [E, H, I]) with value e2m1 * e4m3 * scale2 (SPEC §2), in the weights' own
-    half order. Host arrays only (device tensors are copied). Extra keys (bias1, ...) are ignored."""
-    layout = parse_enum(ScaleLayout, scale_layout, "scale_layout", SCALE_LAYOUT_ALIASES)
-    arrs = []
-    for name, v in (("w1", w1), ("w1_scale", w1_scale), ("w1_scale2", w1_scale2), ("w2", w2),
-                    ("w2_scale", w2_scale), ("w2_scale2", w2_scale2)):
-        if is_torch(v):
-            t = sys.modules["torch"]
-            v = v.detach().cpu()
-            if v.dtype == getattr(t, "float8_e4m3fn", None):
-                v = v.view(t.uint8)
-            v = v.numpy()
-        arrs.append(np.asarray(v))
-    w1, w1_scale, w1_scale2, w2, w2_scale, w2_scale2 = arrs
-    E, n1, h2 = require_ndim(w1, "w1", 3, "[E, N1, H/2] uint8")
-    _, H, i2 = require_ndim(w2, "w2", 3, "[E, H, I/2] uint8")
-    sw = layout == ScaleLayout.Swizzled128x4
-    d1 = _decode_nvfp4(w1, w1_scale, w1_scale2, n1, 2 * h2, sw, n1 // 2)
-    d2 = _decode_nvfp4(w2, w2_scale, w2_scale2, H, 2 * i2, sw, None)
-    return d1, d2
 
 
 # (alpha, beta, clamp limit) an activation takes when they are not given (SPEC §3.2, docs/api.md).

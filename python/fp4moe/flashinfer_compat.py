@@ -73,6 +73,7 @@ from typing import Any, List, Optional
 import numpy as np
 
 from . import _api
+from ._dequant import E2M1_VALUES
 from ._enums import ActivationType, RoutingMethod, is_gated, parse_enum
 from ._errors import ErrorCode, error
 from ._tensors import BF16, E4M3, is_torch
@@ -229,7 +230,7 @@ def _decode_x(packed, sf, T: int, H: int, swizzled: bool, name: str):
     s = _bytes_u8(sf, name)
     s = (_unswizzle(s.reshape(1, -1), 1, T, H // 16, name)[0] if swizzled else s.reshape(T, H // 16)).view(E4M3)
     codes = np.stack([p & 0xF, p >> 4], axis=-1).reshape(T, H)
-    vals = _api._E2M1_VALUES[codes] * np.repeat(s.astype(np.float32), 16, axis=-1)
+    vals = E2M1_VALUES[codes] * np.repeat(s.astype(np.float32), 16, axis=-1)
     return vals.astype(BF16)  # exact: at most 5 significant bits
 
 
