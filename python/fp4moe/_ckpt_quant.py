@@ -189,6 +189,18 @@ def _scalar_ref(ck: Checkpoint, name: str) -> _TensorRef:
     return _TensorRef(ck, name, dt, sh)
 
 
+def _nvfp4_linear(ck: Checkpoint, module: str, weight: str, scale2: str, input_name: str, read_input: bool,
+                  inverse: bool, n: int, k: int, where: str) -> _Linear:
+    """The NVFP4 tensors of module under one producer's names: packed values, block scales, global scale, input
+    scale (read when asked and present; absent: the layer runs A16, _ckpt_read._a4_scales)."""
+    w = ck.tensor(weight, ("U8",), (n, k // 2), where)
+    s = ck.tensor(module + ".weight_scale", ("F8_E4M3",), (n, k // 16), where)
+    s2 = _scalar_ref(ck, module + scale2)
+    iname = module + input_name
+    ins = _scalar_ref(ck, iname) if read_input and ck.has(iname) else None
+    return _Linear(module, "nvfp4", w, s, s2, inverse, ins, inverse, iname)
+
+
 def _linear(ck: Checkpoint, module: str, n: int, k: int) -> _Linear:
     """Finds and checks module's tensors for an [n, k] weight; the format comes from the tensors and must agree
     with the quantization config."""
@@ -199,27 +211,19 @@ def _linear(ck: Checkpoint, module: str, n: int, k: int) -> _Linear:
         if q.method != "compressed-tensors":
             raise _fail(f"{ck.file_of(module + '.weight_packed')}: tensor '{module}.weight_packed' is "
                         f"compressed-tensors NVFP4 but the checkpoint's quantization config is {q.describe()}")
-        w = ck.tensor(module + ".weight_packed", ("U8",), (n, k // 2), where)
-        s = ck.tensor(module + ".weight_scale", ("F8_E4M3",), (n, k // 16), where)
-        s2 = _scalar_ref(ck, module + ".weight_global_scale")
-        iname = module + ".input_global_scale"  # absent: the layer runs A16 (_ckpt_read._a4_scales)
-        ins = _scalar_ref(ck, iname) if q.a4 and ck.has(iname) else None
-        lin = _Linear(module, "nvfp4", w, s, s2, True, ins, True, iname)
+        lin = _nvfp4_linear(ck, module, module + ".weight_packed", ".weight_global_scale", ".input_global_scale",
+                            q.a4, True, n, k, where)
     elif ck.has(module + ".weight"):
         dt, _ = ck.meta(module + ".weight")
         if dt == "U8":
             if q.method != "modelopt":
                 raise _fail(f"{ck.file_of(module + '.weight')}: tensor '{module}.weight' is packed uint8 (ModelOpt "
                             f"NVFP4) but the checkpoint's quantization config is {q.describe()}")
-            w = ck.tensor(module + ".weight", ("U8",), (n, k // 2), where)
-            s = ck.tensor(module + ".weight_scale", ("F8_E4M3",), (n, k // 16), where)
-            s2 = _scalar_ref(ck, module + ".weight_scale_2")
-            iname = module + ".input_scale"  # absent: the layer runs A16 (_ckpt_read._a4_scales)
-            ins = _scalar_ref(ck, iname) if ck.has(iname) else None
+            lin = _nvfp4_linear(ck, module, module + ".weight", ".weight_scale_2", ".input_scale", True, False, n, k,
+                                where)
             if ck.has(module + ".pre_quant_scale"):
                 raise _fail(f"{ck.file_of(module + '.weight')}: tensor '{module}.pre_quant_scale': AWQ-smoothed "
                             f"NVFP4 experts are not supported", ErrorCode.Unsupported)
-            lin = _Linear(module, "nvfp4", w, s, s2, False, ins, False, iname)
         elif dt in _FLOAT_DTYPES:
             if ck.has(module + ".weight_scale"):
                 raise _fail(f"{ck.file_of(module + '.weight_scale')}: tensor '{module}.weight_scale' beside a {dt} "

@@ -315,22 +315,26 @@ Linear plan_linear(Store& s, const std::string& module, int64_t n, int64_t k) {
   Linear l;
   l.module = module;
   auto add = [&](const st::TensorInfo& t) { l.bytes += t.end - t.begin; };
+  // The NVFP4 tensors of l.w under one producer's names: block scales, global scale, input scale (read if asked).
+  auto nvfp4 = [&](const char* scale2, const char* input, bool read_input) {
+    add(expect(s, l.w, {"U8"}, {n, k / 2}, where));
+    l.scale = module + ".weight_scale";
+    add(expect(s, l.scale, {"F8_E4M3"}, {n, k / 16}, where));
+    l.scale2 = module + scale2;
+    add(expect_scalar(s, l.scale2));
+    l.input_name = module + input;  // absent: the layer runs A16 (checkpoint.cpp a4_scales)
+    if (read_input && s.has(l.input_name)) {
+      l.input = l.input_name;
+      add(expect_scalar(s, l.input));
+    }
+    l.nvfp4 = true;
+  };
   if (s.has(module + ".weight_packed")) {
     l.w = module + ".weight_packed";
     if (q.method != "compressed-tensors")
       fail(s.path_of(l.w) + ": tensor '" + l.w + "' is compressed-tensors NVFP4 but the checkpoint's quantization config is " +
            q.describe());
-    add(expect(s, l.w, {"U8"}, {n, k / 2}, where));
-    l.scale = module + ".weight_scale";
-    add(expect(s, l.scale, {"F8_E4M3"}, {n, k / 16}, where));
-    l.scale2 = module + ".weight_global_scale";
-    add(expect_scalar(s, l.scale2));
-    l.input_name = module + ".input_global_scale";  // absent: the layer runs A16 (checkpoint.cpp a4_scales)
-    if (q.a4 && s.has(l.input_name)) {
-      l.input = l.input_name;
-      add(expect_scalar(s, l.input));
-    }
-    l.nvfp4 = true;
+    nvfp4(".weight_global_scale", ".input_global_scale", q.a4);
     l.inverse = true;
   } else if (s.has(module + ".weight")) {
     l.w = module + ".weight";
@@ -339,20 +343,10 @@ Linear plan_linear(Store& s, const std::string& module, int64_t n, int64_t k) {
       if (q.method != "modelopt")
         fail(s.path_of(l.w) + ": tensor '" + l.w + "' is packed uint8 (ModelOpt NVFP4) but the checkpoint's quantization "
              "config is " + q.describe());
-      add(expect(s, l.w, {"U8"}, {n, k / 2}, where));
-      l.scale = module + ".weight_scale";
-      add(expect(s, l.scale, {"F8_E4M3"}, {n, k / 16}, where));
-      l.scale2 = module + ".weight_scale_2";
-      add(expect_scalar(s, l.scale2));
-      l.input_name = module + ".input_scale";  // absent: the layer runs A16 (checkpoint.cpp a4_scales)
-      if (s.has(l.input_name)) {
-        l.input = l.input_name;
-        add(expect_scalar(s, l.input));
-      }
+      nvfp4(".weight_scale_2", ".input_scale", true);
       if (s.has(module + ".pre_quant_scale"))
         fail(s.path_of(l.w) + ": tensor '" + module + ".pre_quant_scale': AWQ-smoothed NVFP4 experts are not supported",
              ErrorCode::Unsupported);
-      l.nvfp4 = true;
     } else if (t.dtype_name == "BF16" || t.dtype_name == "F16" || t.dtype_name == "F32") {
       if (s.has(module + ".weight_scale"))
         fail(s.path_of(l.w) + ": tensor '" + module + ".weight_scale' beside a " + t.dtype_name +
