@@ -13,10 +13,11 @@ from ._errors import ErrorCode, Fp4MoeError
 from ._enums import (ActivationType, RoutingMethod, GateUpOrder, GemmTile, LoraLayout, ScaleLayout, WeightFormat,
                      ActMode)
 from . import _loader  # loads and checks the extension; raises ImportError when it is missing or mismatched
-from ._api import (AdapterRegistry, MoeWeights, build_info, check_device_errors, dequantize_weights,
-                   from_hf_experts, list_peft_expert_modules, moe, object_of_handle, peft_expert_matrices,
-                   prepare_bf16_weights, prepare_mxfp4_weights, prepare_weights, quantize_weights, read_peft_experts_lora, route,
-                   workspace_size)
+from ._api import (AdapterRegistry, MoeWeights, build_info, check_device_errors, from_hf_experts, moe,
+                   object_of_handle, prepare_bf16_weights, prepare_mxfp4_weights, prepare_weights, quantize_weights,
+                   route, workspace_size)
+from ._dequant import dequantize_weights
+from ._peft import list_peft_expert_modules, peft_expert_matrices, read_peft_experts_lora
 
 _CHECKPOINT_NAMES = ("MoeLayer", "inspect_checkpoint", "load_moe_layer", "read_moe_layer")
 

@@ -19,8 +19,7 @@ from ._errors import ErrorCode, Fp4MoeError, error, renamed
 from ._tensors import (BF16, E4M3, INT32_RANGE, as_arg, as_float, as_int, device_of, empty_bf16, is_torch, per_expert,
                        require_ndim, shape_of, to_host_float, to_int32)
 
-from ._dequant import dequantize_weights  # noqa: F401  (fp4moe.dequantize_weights, hf)
-from ._peft import list_peft_expert_modules, peft_expert_matrices, read_peft_experts_lora  # noqa: F401
+from ._peft import read_peft_experts_lora
 
 _C = _loader.C
 

@@ -59,7 +59,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import _api
+from . import _api, _dequant, _peft
 from . import torch_ops as _ops
 from ._enums import ActivationType, RoutingMethod
 from ._errors import error
@@ -343,7 +343,7 @@ def _adapter_tensors(wrappers, name: str, E: int):
             raise error("adapters", "PEFT LoRA on transposed expert storage (is_transposed) is not supported")
         A = wr.lora_A[name].weight.detach()
         B = wr.lora_B[name].weight.detach()
-        a, b = _api.peft_expert_matrices(A, B, E)  # [E, r, in], [E, out, r]
+        a, b = _peft.peft_expert_matrices(A, B, E)  # [E, r, in], [E, out, r]
         parts[key] = (a, b, int(wr.r[name]), float(wr.lora_alpha[name]), bool(wr.use_rslora.get(name, False)),
                       float(wr.scaling[name]))
     if not parts:
@@ -433,7 +433,7 @@ def swap_moe_blocks(model: nn.Module, *, quantize: bool = True, adapters="auto",
             q = _api.quantize_weights(gu, dn, gate_up_order="gate_first", activation=act, bias1=b1, bias2=b2)
             weights = _api.prepare_weights(**q, gate_up_order="gate_first", activation=act, device=dev)
             if write_back:
-                w1, w2 = _api.dequantize_weights(**q)
+                w1, w2 = _dequant.dequantize_weights(**q)
                 _write_back(experts, w1, w2)
         else:
             weights = _api.from_hf_experts(gu.to(torch.bfloat16), dn.to(torch.bfloat16), quantize=False,
@@ -444,7 +444,7 @@ def swap_moe_blocks(model: nn.Module, *, quantize: bool = True, adapters="auto",
                 q = _api.quantize_weights(sgu, sdn, gate_up_order="gate_first", activation=act)
                 shared = _api.prepare_weights(**q, gate_up_order="gate_first", activation=act, device=dev)
                 if write_back:
-                    w1, w2 = _api.dequantize_weights(**q)
+                    w1, w2 = _dequant.dequantize_weights(**q)
                     _write_back_shared(block.shared_expert, w1, w2)
             else:
                 shared = _api.from_hf_experts(sgu.to(torch.bfloat16), sdn.to(torch.bfloat16), quantize=False,
