@@ -73,16 +73,7 @@ __global__ void __launch_bounds__(Cfg::BLOCK_THREADS, 1) ws_wgmma_gemm_kernel(Ge
         for (int q = 0; q < 4; ++q) part[r][i][q] = 0.f;
     math.chunk(part, smem, ring, kc, min(kc + kChunkBlocks, KB));
 #pragma unroll
-    for (int i = 0; i < GROUPS; ++i)
-#pragma unroll
-      for (int r = 0; r < RG; ++r) {
-        float4 v = make_float4(part[r][i][0], part[r][i][1], part[r][i][2], part[r][i][3]);
-        if (kc > 0) {
-          const float4 s = sums[(i * RG + r) * Cfg::THREADS];
-          v = make_float4(__fadd_rn(s.x, v.x), __fadd_rn(s.y, v.y), __fadd_rn(s.z, v.z), __fadd_rn(s.w, v.w));
-        }
-        sums[(i * RG + r) * Cfg::THREADS] = v;
-      }
+    for (int r = 0; r < RG; ++r) add_chunk_shared<RG * Cfg::THREADS>(sums + r * Cfg::THREADS, part[r], kc == 0);
   }
 
   Epilogue epi(ep, tr, nb + (static_cast<int>(threadIdx.x) >> 5) * 16 * RG, s_lora_rows, s_lora_t0, s_row_pre);
