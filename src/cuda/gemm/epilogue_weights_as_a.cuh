@@ -4,7 +4,7 @@
 // pass per adapter of the whole tile would run every group through every adapter of the tile). The B fragments
 // of a pass's first k16 step depend on the slot and the weight rows only: kept from the group before when its slot
 // is the same (the rows are ordered by adapter, so a tile's groups mostly share one). The per-pair arithmetic
-// (epilogue.cuh) takes column pairs (even, odd) of one row: row g + 1's values come from lane + 4.
+// (epilogue.cuh) takes column pairs (even, odd) of one token: lanes g and g + 1 (lane ^ 4) split a pair's tokens.
 #pragma once
 #include <cstdint>
 #include <type_traits>
@@ -106,39 +106,58 @@ template <class Cfg, class Epi, class Act> struct WeightsAsAEpilogue {
     });
   }
 
-  // Token group i, its sums ga (ga[r]: row group r).
+  // Token group i, its sums ga (ga[r]: row group r). A pair (rows 2m, 2m + 1) of a token is split between lanes
+  // gq = 2m and 2m + 1 (lane ^ 4): the even lane takes token 2t, the odd lane token 2t + 1, each receiving the
+  // other's row by one shuffle, so that every lane runs the pair arithmetic of half the pairs (with every pair on
+  // the even lanes, half of each warp idled through the epilogue's arithmetic).
   __device__ __forceinline__ void group(int i, const float (&ga)[RG][4]) {
     float dl[RG][4];
 #pragma unroll
     for (int r = 0; r < RG; ++r) dl[r][0] = dl[r][1] = dl[r][2] = dl[r][3] = 0.f;
-    if (ep.lora.table) lora_deltas(i, dl);
-    float nb[RG][4], dn[RG][4];
-#pragma unroll
-    for (int r = 0; r < RG; ++r)
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        nb[r][q] = __shfl_down_sync(0xffffffffu, ga[r][q], 4);
-        dn[r][q] = __shfl_down_sync(0xffffffffu, dl[r][q], 4);
-      }
+    const bool lora = ep.lora.table != nullptr;  // block-uniform
+    if (lora) lora_deltas(i, dl);
     if constexpr (std::is_same_v<Epi, Epilogue1> && kGatedAct<Act> && RG == 2) {
       if (ep.a_quant_gs > 0.f) {  // A4 fused (block-uniform)
+        float nb[RG][4], dn[RG][4];
+#pragma unroll
+        for (int r = 0; r < RG; ++r)
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            nb[r][q] = __shfl_down_sync(0xffffffffu, ga[r][q], 4);
+            dn[r][q] = __shfl_down_sync(0xffffffffu, dl[r][q], 4);
+          }
         fused_a4_store<Act>(ep, row_pre, x, tr, i, n0, ga, nb, dl, dn);
         return;
       }
     }
-    if ((gq & 1) == 0) {  // no early exit: the next group's expand needs every lane converged
+    const int tk = gq & 1;  // this lane's token of the pair: 2t + tk
+    const int row = tr.row0 + i * 8 + 2 * t + tk;
+    float c[RG][2][2], l[RG][2][2];  // [r][h: rows +0 / +8][row 2m, 2m + 1]
 #pragma unroll
-      for (int tk = 0; tk < 2; ++tk) {
-        const int row = tr.row0 + i * 8 + 2 * t + tk;
-        if (row >= tr.row_end) continue;
-        const auto rc = Epi::row_ctx(ep, x, row, row_pre[row - tr.row0]);
+    for (int r = 0; r < RG; ++r)
 #pragma unroll
-        for (int r = 0; r < RG; ++r) {
-          Epi::template pair<Act>(ep, x, rc, n0 + 16 * r + gq, ga[r][tk], nb[r][tk], dl[r][tk], dn[r][tk]);
-          Epi::template pair<Act>(ep, x, rc, n0 + 16 * r + gq + 8, ga[r][2 + tk], nb[r][2 + tk], dl[r][2 + tk],
-                                  dn[r][2 + tk]);
+      for (int h = 0; h < 2; ++h) {
+        // Each lane sends the value of the token its partner takes (selects: no indexing by the lane's parity).
+        const float own = tk ? ga[r][2 * h + 1] : ga[r][2 * h];
+        const float got = __shfl_xor_sync(0xffffffffu, tk ? ga[r][2 * h] : ga[r][2 * h + 1], 4);
+        c[r][h][0] = tk ? got : own;
+        c[r][h][1] = tk ? own : got;
+        l[r][h][0] = l[r][h][1] = 0.f;
+        if (lora) {
+          const float down = tk ? dl[r][2 * h + 1] : dl[r][2 * h];
+          const float dgot = __shfl_xor_sync(0xffffffffu, tk ? dl[r][2 * h] : dl[r][2 * h + 1], 4);
+          l[r][h][0] = tk ? dgot : down;
+          l[r][h][1] = tk ? down : dgot;
         }
       }
+    if (row < tr.row_end) {  // no early exit: the next group's shuffles need every lane converged
+      const auto rc = Epi::row_ctx(ep, x, row, row_pre[row - tr.row0]);
+      const int col0 = n0 + (gq & ~1);
+#pragma unroll
+      for (int r = 0; r < RG; ++r)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          Epi::template pair<Act>(ep, x, rc, col0 + 16 * r + 8 * h, c[r][h][0], c[r][h][1], l[r][h][0], l[r][h][1]);
     }
   }
 };
