@@ -152,6 +152,7 @@ __device__ __forceinline__ float shared_gate_of(const CombineParams& p, int t, b
 // reference's float32 y). One block: 4 outputs a thread of token t = blockIdx.x / blocks_per_token; first: its
 // slots 0..7, loaded before the wait.
 // gate: the shared expert's gate (gate_bad: drop its term), unused without p.shared_gate.
+template <bool kFull>
 __device__ __forceinline__ void combine_token(const CombineParams& p, bool act_on_device, int t, const SlotBatch& first,
                                               float gate, bool gate_bad) {
   // The local expert of an entry, -1 when it is another rank's, a dropped bad id or has bad parameters.
@@ -165,7 +166,7 @@ __device__ __forceinline__ void combine_token(const CombineParams& p, bool act_o
   __shared__ float s_z[kMaxLoraRank];
   const uint16_t* b2 = nullptr;
   int r2 = 0;
-  if (p.lora_table) {
+  if (kFull && p.lora_table) {
     const int slot = p.token_slot[t];
     if (slot >= 0) {
       const LoraProj& pj = p.lora_table[slot].proj[kLoraDown];
@@ -198,7 +199,7 @@ __device__ __forceinline__ void combine_token(const CombineParams& p, bool act_o
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
       const int64_t entry = static_cast<int64_t>(t) * p.k + j0 + b;
-      if (e[b] >= 0) o[b] = *reinterpret_cast<const float4*>(p.out + entry * p.H + h);
+      if (e[b] >= 0) o[b] = __ldcs(reinterpret_cast<const float4*>(p.out + entry * p.H + h));  // read once: evict first
     }
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
@@ -209,13 +210,13 @@ __device__ __forceinline__ void combine_token(const CombineParams& p, bool act_o
       acc[3] = __fadd_rn(acc[3], __fmul_rn(w[b], o[b].w));
     }
   }
-  if (p.shared_out && p.shared_gate && !gate_bad) {  // gate * shared: multiply, then add
+  if (kFull && p.shared_out && p.shared_gate && !gate_bad) {  // gate * shared: multiply, then add
     const float4 s = *reinterpret_cast<const float4*>(p.shared_out + static_cast<int64_t>(t) * p.H + h);
     acc[0] = __fadd_rn(acc[0], __fmul_rn(gate, s.x));
     acc[1] = __fadd_rn(acc[1], __fmul_rn(gate, s.y));
     acc[2] = __fadd_rn(acc[2], __fmul_rn(gate, s.z));
     acc[3] = __fadd_rn(acc[3], __fmul_rn(gate, s.w));
-  } else if (p.shared_out && !p.shared_gate) {
+  } else if (p.shared_out && !(kFull && p.shared_gate)) {
     const float4 s = *reinterpret_cast<const float4*>(p.shared_out + static_cast<int64_t>(t) * p.H + h);
     acc[0] = __fadd_rn(acc[0], s.x);
     acc[1] = __fadd_rn(acc[1], s.y);
@@ -251,26 +252,34 @@ __device__ __forceinline__ void combine_token(const CombineParams& p, bool act_o
     return;
   }
   uint16_t* y = p.y + static_cast<int64_t>(t) * p.H + h;
+  uint16_t v[4];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) y[i] = dev::f32_to_bf16(__fadd_rn(acc[i], dy[i]));
+  for (int i = 0; i < 4; ++i) v[i] = dev::f32_to_bf16(__fadd_rn(acc[i], dy[i]));
+  if (reinterpret_cast<uintptr_t>(y) % 8 == 0) {  // one 8-byte store (y's rows are 8-byte aligned when y is)
+    *reinterpret_cast<uint2*>(y) = make_uint2(v[0] | (uint32_t{v[1]} << 16), v[2] | (uint32_t{v[3]} << 16));
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) y[i] = v[i];
+  }
 }
 
 // Before the wait it reads only what the call was given and what the routing wrote: every kernel of the chain lets
 // the next one start only after its own wait, so when this one starts all but its predecessor have finished, and
 // the loads of slots and parameters overlap the GEMM's tail (a decode token's combine is those loads' latency).
-__global__ void combine_kernel(CombineParams p) {
-  const bool act_on_device = p.act_alpha || p.act_beta || p.act_clamp_limit;
+template <bool kFull>
+__global__ void __launch_bounds__(128) combine_kernel(CombineParams p) {
+  const bool act_on_device = kFull && (p.act_alpha || p.act_beta || p.act_clamp_limit);
   const int t = static_cast<int>(static_cast<int64_t>(blockIdx.x) / p.blocks_per_token);
   if (t >= p.T) return;  // block-uniform
   const SlotBatch first = load_slots(p, t, 0, act_on_device);
   const int every = act_on_device && blockIdx.x == 0 ? every_expert_code(p) : 0;
   bool gate_bad = false;
-  const float gate = p.shared_gate ? shared_gate_of(p, t, gate_bad) : 1.f;
+  const float gate = kFull && p.shared_gate ? shared_gate_of(p, t, gate_bad) : 1.f;
   dev::pdl_wait();
   dev::pdl_launch_dependents();
   if (every) atomicExch(p.error_flag, every);
   if (gate_bad && blockIdx.x == 0 && threadIdx.x == 0) atomicExch(p.error_flag, kErrSharedGate);
-  combine_token(p, act_on_device, t, first, gate, gate_bad);
+  combine_token<kFull>(p, act_on_device, t, first, gate, gate_bad);
 }
 
 }  // namespace
@@ -291,7 +300,12 @@ void launch_quantize(const QuantizeParams& p, cudaStream_t stream) {
 void launch_combine(const CombineParams& p, cudaStream_t stream) {
   if (p.T <= 0) return;
   const int64_t blocks = static_cast<int64_t>(p.T) * p.blocks_per_token;
-  launch_pdl(combine_kernel, dim3(static_cast<unsigned>(blocks)), dim3(p.threads), 0, stream, "combine_kernel", p);
+  // The common call (no per-expert activation parameters, LoRA or shared-expert gate) in a kernel of its own: the
+  // full one's registers (128 a thread) halved its occupancy.
+  if (p.act_alpha || p.act_beta || p.act_clamp_limit || p.lora_table || p.shared_gate)
+    launch_pdl(combine_kernel<true>, dim3(static_cast<unsigned>(blocks)), dim3(p.threads), 0, stream, "combine_kernel", p);
+  else
+    launch_pdl(combine_kernel<false>, dim3(static_cast<unsigned>(blocks)), dim3(p.threads), 0, stream, "combine_kernel", p);
 }
 
 }  // namespace fp4moe::cuda_backend

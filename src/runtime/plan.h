@@ -206,7 +206,10 @@ constexpr int64_t kMaxLoraRank = 64;              // an adapter's r (SPEC §5)
 
 // The canonical K order of the GEMMs (docs/numerics.md): chains over chunks of kKChunk, chunk sums added in order.
 // Split-K splits a grid smaller than split_target_blocks (four per SM) towards twice that many (plan.cpp).
-constexpr int64_t kKChunk = 512;
+#ifndef FP4MOE_KCHUNK
+#define FP4MOE_KCHUNK 512
+#endif
+constexpr int64_t kKChunk = FP4MOE_KCHUNK;
 constexpr int64_t split_target_blocks(const DeviceDesc& d) { return int64_t(4) * d.sm_count; }
 // A chunk of at most this many (token, slot) entries is permuted by one kernel of one block (count, scan and
 // in-order placement; src/cuda/permute.cu), larger ones by three kernels over many blocks. (The placement is one
@@ -234,7 +237,10 @@ inline constexpr GemmConfig kGemmConfigs[kNumGemmConfigs] = {
     {16, 128, 64, 1, 4, 6, true},
     // sm_90a, many rows an expert: 128 tokens x 256 weight rows, two math warpgroups of 128 weight rows (32 a warp),
     // a producer warpgroup; one block an SM (the chunk sums take 128 KB).
-    {128, 256, 64, 1, 8, 3, true, true, true},
+#ifndef FP4MOE_WSST
+#define FP4MOE_WSST 3
+#endif
+    {128, 256, 64, 1, 8, FP4MOE_WSST, true, true, true},
     // (A 128-token wgmma tile with producer warps and one persistent block an SM was retired: with the tile bands
     // it was never faster than the one above; it is in git history up to revision 1ee7f89.)
 };
@@ -242,7 +248,11 @@ constexpr int gemm_stages(const GemmConfig& g, bool) { return g.stages; }
 // The stage bytes of a tile (tokens, weights, their scales) and its dynamic shared memory: a wgmma tile's stages
 // start 1024-byte aligned (the 128-byte swizzle's atom), with 1 KB to align the base (src/cuda/gemm/tile_config.cuh).
 // The weight rows of a tile for a weight format: a warp-specialised tile's bf16 weights take half of them.
+#ifdef FP4MOE_WSRG1
+constexpr int gemm_bn(const GemmConfig& g, bool) { return g.ws ? g.bn / 2 : g.bn; }
+#else
 constexpr int gemm_bn(const GemmConfig& g, bool fp4) { return g.ws && !fp4 ? g.bn / 2 : g.bn; }
+#endif
 constexpr int64_t gemm_stage_bytes(const GemmConfig& g, bool fp4) {
   const int64_t bn = gemm_bn(g, fp4);
   const int64_t b = fp4 ? bn * (g.bk / 2 + g.bk / 16) : bn * g.bk * 2, raw = g.bm * g.bk * 2 + b;

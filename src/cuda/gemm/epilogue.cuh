@@ -175,7 +175,11 @@ struct Epilogue2 {
       o1 = __fadd_rn(o1, p.bias[static_cast<int64_t>(x.e) * p.H + col + 1]);
     }
     // The down LoRA delta, always added (+0 for base rows, which turns -0 into +0 as the reference).
+#ifdef O_STCS
+    __stcs(reinterpret_cast<float2*>(rc.orow + col), make_float2(__fadd_rn(o0, l0), __fadd_rn(o1, l1)));
+#else
     *reinterpret_cast<float2*>(rc.orow + col) = make_float2(__fadd_rn(o0, l0), __fadd_rn(o1, l1));
+#endif
   }
 };
 

@@ -63,17 +63,37 @@ __global__ void __launch_bounds__(Cfg::BLOCK_THREADS, 1) ws_wgmma_gemm_kernel(Ge
   // The chunk sums after the stages: accumulator (token group i, row group r) at [i * RG + r][thread].
   float4* sums = reinterpret_cast<float4*>(smem + Cfg::STAGES * Cfg::STAGE_BYTES) + threadIdx.x;
   Math math(ring);
-  float part[RG][GROUPS][4];
-  for (int kc = 0; kc < KB; kc += kChunkBlocks) {  // one K chunk: one chain per output
-#pragma unroll
-    for (int r = 0; r < RG; ++r)
+#ifndef FP4MOE_WS_VARIANT
+#define FP4MOE_WS_VARIANT 2
+#endif
+  if constexpr (RG == 2 && (FP4MOE_WS_VARIANT == 2 || FP4MOE_WS_VARIANT == 3 || FP4MOE_WS_VARIANT == 6)) {
+    math.template all_chunks<FP4MOE_WS_VARIANT == 3 ? 3 : 2, FP4MOE_WS_VARIANT == 6>(sums, smem, ring, KB);
+  } else if constexpr (RG == 1 && FP4MOE_WS_VARIANT == 9) {
+    // One row group a warp: the running sums in registers beside the chunk's chain, stored once for the epilogue.
+    float acc[1][GROUPS][4], part[1][GROUPS][4];
+    for (int kc = 0; kc < KB; kc += kChunkBlocks) {
 #pragma unroll
       for (int i = 0; i < GROUPS; ++i)
 #pragma unroll
-        for (int q = 0; q < 4; ++q) part[r][i][q] = 0.f;
-    math.chunk(part, smem, ring, kc, min(kc + kChunkBlocks, KB));
+        for (int q = 0; q < 4; ++q) part[0][i][q] = 0.f;
+      math.chunk(part, smem, ring, kc, min(kc + kChunkBlocks, KB));
+      add_chunk(acc[0], part[0], kc == 0);
+    }
+    add_chunk_shared<Cfg::THREADS>(sums, acc[0], true);
+  } else {
+    constexpr int kStep = FP4MOE_WS_VARIANT == 1 ? 1 << 20 : kChunkBlocks;
+    float part[RG][GROUPS][4];
+    for (int kc = 0; kc < KB; kc += kStep) {  // one K chunk: one chain per output
 #pragma unroll
-    for (int r = 0; r < RG; ++r) add_chunk_shared<RG * Cfg::THREADS>(sums + r * Cfg::THREADS, part[r], kc == 0);
+      for (int r = 0; r < RG; ++r)
+#pragma unroll
+        for (int i = 0; i < GROUPS; ++i)
+#pragma unroll
+          for (int q = 0; q < 4; ++q) part[r][i][q] = 0.f;
+      math.chunk(part, smem, ring, kc, min(kc + kStep, KB));
+#pragma unroll
+      for (int r = 0; r < RG; ++r) add_chunk_shared<RG * Cfg::THREADS>(sums + r * Cfg::THREADS, part[r], kc == 0);
+    }
   }
 
   Epilogue epi(ep, tr, nb + (static_cast<int>(threadIdx.x) >> 5) * 16 * RG, s_lora_rows, s_lora_t0, s_row_pre);

@@ -96,7 +96,10 @@ template <class C> struct TileLoader {
     if (A_THREADS == LT || tid < A_THREADS) {
 #pragma unroll
       for (int i = 0; i < A_CHUNKS; ++i) {
-        const bool ok = a_left[i] > 0;
+        bool ok = a_left[i] > 0;
+#if FP4MOE_WS_VARIANT == 4 || defined(FP4MOE_DIAG_NOTOK)
+        if constexpr (C::WS) ok = false;
+#endif
         dev::cp_async16(sstage + a_dst[i], a_src[i], ok);
         a_src[i] += ok ? C::BK * 2 : 0;  // an exhausted chunk keeps its last valid address
         --a_left[i];

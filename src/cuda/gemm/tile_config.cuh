@@ -20,8 +20,12 @@ struct TileConfig {
   static constexpr bool FP4 = FP4_, WEIGHTS_AS_A = WEIGHTS_AS_A_, WGMMA = WGMMA_, WS = WS_, MX = MX_;
   static_assert(!MX || FP4, "MXFP4 is a 4-bit format");
   // plan.h's view (a WS tile's bf16 form: the plan's row names twice the weight rows, gemm_bn)
-  static constexpr GemmConfig kPlan{BM, WS && !FP4 ? 2 * BN : BN, BK, WARPS_M, WARPS_N, STAGES, WEIGHTS_AS_A,
-                                    WGMMA, WS};
+#ifdef FP4MOE_WSRG1
+  static constexpr GemmConfig kPlan{BM, WS ? 2 * BN : BN, BK,
+#else
+  static constexpr GemmConfig kPlan{BM, WS && !FP4 ? 2 * BN : BN, BK,
+#endif
+                                    WARPS_M, WARPS_N, STAGES, WEIGHTS_AS_A, WGMMA, WS};
   static constexpr int THREADS = 32 * WARPS_M * WARPS_N;
   static constexpr int PRODUCER_THREADS = WS ? 128 : 0;
   static constexpr int BLOCK_THREADS = THREADS + PRODUCER_THREADS;
