@@ -93,39 +93,38 @@ class MoeLayer:
             raise error("hidden", f"expected hidden states [T, {H}], got shape {tuple(getattr(hidden, 'shape', ()))}")
         torch = sys.modules.get("torch")
         if torch is not None and isinstance(hidden, torch.Tensor):
-            key = str(hidden.device)
-            if key not in self._router_fp32:
-                as_t = lambda a: None if a is None else torch.from_numpy(a.astype(np.float32)).to(hidden.device)  # noqa: E731
-                self._router_fp32[key] = (as_t(r.weight), as_t(r.bias))
-            w, b = self._router_fp32[key]
+            as_t = lambda a: None if a is None else torch.from_numpy(a.astype(np.float32)).to(hidden.device)  # noqa: E731
+            w, b = self._once(str(hidden.device), lambda: (as_t(r.weight), as_t(r.bias)))
             return torch.nn.functional.linear(hidden.float(), w, b)
-        if "np" not in self._router_fp32:
-            self._router_fp32["np"] = (np.ascontiguousarray(r.weight.astype(np.float32).T),
-                                       None if r.bias is None else r.bias.astype(np.float32))
-        wt, b = self._router_fp32["np"]
+        wt, b = self._once("np", lambda: (np.ascontiguousarray(r.weight.astype(np.float32).T),
+                                          None if r.bias is None else r.bias.astype(np.float32)))
         out = np.asarray(hidden).astype(np.float32) @ wt
         return out if b is None else out + b
+
+    def _once(self, key, make):
+        """The cached value under key, made by make() on first use: each host array is copied to a device once."""
+        if key not in self._router_fp32:
+            self._router_fp32[key] = make()
+        return self._router_fp32[key]
 
     def _routing_bias(self):
         """e_score_correction_bias as float32 on the weights' device, where the operator reads it (a torch CUDA
         tensor for a layer loaded on a GPU), copied there once."""
         dev = tuple(getattr(self.weights, "_device", ("cpu", 0)))
-        key = ("routing_bias",) + dev
-        if key not in self._router_fp32:
-            bias = np.asarray(self.router.e_score_correction_bias, dtype=np.float32)
-            self._router_fp32[key] = on_device(bias, "routing_bias", dev, "the layer's routing bias")
-        return self._router_fp32[key]
+        return self._once(("routing_bias",) + dev, lambda: on_device(
+            np.asarray(self.router.e_score_correction_bias, dtype=np.float32), "routing_bias", dev,
+            "the layer's routing bias"))
 
     def _gate_on(self, device: str):
         """The shared expert's gate on the weights' device: the host array, or (CUDA) a torch tensor made once."""
         if device == "cpu":
             return self.shared_expert_gate
-        key = "gate:" + device
-        if key not in self._router_fp32:
+
+        def to_device():
             import torch
             bits = np.ascontiguousarray(self.shared_expert_gate).view(np.int16)
-            self._router_fp32[key] = torch.from_numpy(bits).view(torch.bfloat16).to(device)
-        return self._router_fp32[key]
+            return torch.from_numpy(bits).view(torch.bfloat16).to(device)
+        return self._once("gate:" + device, to_device)
 
     def moe_kwargs(self, mode: Optional[str] = None) -> dict:
         """Keyword arguments of fp4moe.moe for this layer, besides x, weights and the routing logits. mode: the
