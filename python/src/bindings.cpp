@@ -11,12 +11,10 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 #include <string>
-#include <string_view>
 #include <vector>
 
 #include "fp4moe/build_info.h"
@@ -29,185 +27,21 @@
 #include "fp4moe/types.h"
 #include "runtime/problem_shape.h"
 
+#include "bindings_tensors.h"
+
 #ifdef FP4MOE_WITH_CUDA
 #include <cuda_runtime_api.h>
 #endif
 
 namespace nb = nanobind;
 using namespace fp4moe;
+using namespace fp4moe::py;
 
 namespace {
 
 // The Python exception class (fp4moe.Fp4MoeError); leaked on purpose so that nothing is released
 // after the interpreter has finalized.
 PyObject* g_error_class = nullptr;
-
-[[noreturn]] void bad(const std::string& name, const std::string& what) {
-  throw Error(ErrorCode::InvalidArgument, name, what);
-}
-
-constexpr int kNoHint = -1;
-constexpr uint8_t kDLFloat8_e4m3fn = 10;  // DLPack 1.1 code (nb::dlpack::dtype_code::Float8_E4M3FN)
-
-// DLPack dtype -> fp4moe::DType; hint (a DType value) reinterprets an integer view of the same width.
-DType dtype_from_dlpack(nb::dlpack::dtype t, int hint, const std::string& name) {
-  const auto code = static_cast<nb::dlpack::dtype_code>(t.code);
-  if (t.lanes != 1) bad(name, "expected a tensor with one lane per element, got " + std::to_string(t.lanes));
-  if (hint != kNoHint) {
-    if (hint < 0 || hint > static_cast<int>(DType::I64)) bad(name, "internal: bad dtype hint " + std::to_string(hint));
-    const DType want = static_cast<DType>(hint);
-    if (static_cast<size_t>(t.bits) != 8 * dtype_size(want))
-      bad(name, std::string("expected a ") + std::to_string(8 * dtype_size(want)) + "-bit view for " + to_string(want) +
-                    ", got " + std::to_string(t.bits) + " bits");
-    return want;
-  }
-  using C = nb::dlpack::dtype_code;
-  if (code == C::Float && t.bits == 32) return DType::F32;
-  if (code == C::Float && t.bits == 64) return DType::F64;
-  if (code == C::Float && t.bits == 16) return DType::F16;
-  if (code == C::Bfloat && t.bits == 16) return DType::BF16;
-  if (code == C::UInt && t.bits == 8) return DType::U8;
-  if (code == C::Int && t.bits == 32) return DType::I32;
-  if (code == C::Int && t.bits == 64) return DType::I64;
-  if (t.code == kDLFloat8_e4m3fn && t.bits == 8) return DType::E4M3;
-  bad(name, "unsupported dtype (DLPack code " + std::to_string(t.code) + ", " + std::to_string(t.bits) +
-                " bits); expected float32, bfloat16, float16, float64, uint8, int32, int64 or float8_e4m3fn");
-}
-
-// Keeps the imported arrays alive for the duration of one call.
-struct Keep {
-  std::vector<nb::ndarray<nb::ro>> ro;
-  std::vector<nb::ndarray<>> rw;
-};
-
-template <class Arr>
-TensorView view_from(const Arr& a, int hint, const std::string& name) {
-  TensorView v;
-  if (a.ndim() > static_cast<size_t>(TensorView::kMaxDims))
-    bad(name, "expected at most " + std::to_string(TensorView::kMaxDims) + " dimensions, got " +
-                  std::to_string(a.ndim()));
-  v.dtype = dtype_from_dlpack(a.dtype(), hint, name);
-  const int dev = a.device_type();
-  if (dev == nb::device::cpu::value || dev == nb::device::cuda_host::value) {
-    v.device = Backend::CPU;
-    v.device_id = 0;
-  } else if (dev == nb::device::cuda::value || dev == nb::device::cuda_managed::value) {
-    v.device = Backend::CUDA;
-    v.device_id = a.device_id();
-  } else {
-    throw Error(ErrorCode::Unsupported, name, "expected a tensor on cpu or cuda, got DLPack device type " +
-                                                  std::to_string(dev));
-  }
-  v.ndim = static_cast<int>(a.ndim());
-  for (int i = 0; i < v.ndim; ++i) {
-    v.shape[i] = a.shape(static_cast<size_t>(i));
-    v.stride[i] = a.stride(static_cast<size_t>(i));
-  }
-  // No element is addressed in an empty tensor: NumPy reports strides 0 there; make them row-major.
-  if (v.numel() == 0) {
-    int64_t st = 1;
-    for (int i = v.ndim - 1; i >= 0; --i) {
-      v.stride[i] = st;
-      st *= v.shape[i] > 0 ? v.shape[i] : 1;
-    }
-  }
-  v.data = const_cast<void*>(static_cast<const void*>(a.data()));
-  // An empty tensor may carry a null pointer; "absent" must stay distinct from "empty".
-  if (v.data == nullptr) {
-    static uint8_t empty_sentinel[16];
-    v.data = empty_sentinel;
-  }
-  return v;
-}
-
-std::string py_type_name(nb::handle h) { return nb::cast<std::string>(nb::str(h.type().attr("__name__"))); }
-
-// obj is an array or a tuple (array, dtype_hint). None -> absent view.
-TensorView to_view(nb::handle obj, const std::string& name, bool writable, Keep& keep) {
-  if (obj.is_none()) return {};
-  int hint = kNoHint;
-  nb::handle arr = obj;
-  if (nb::isinstance<nb::tuple>(obj)) {
-    nb::tuple t = nb::borrow<nb::tuple>(obj);
-    if (t.size() != 2) bad(name, "internal: expected (array, dtype_hint)");
-    arr = t[0];
-    hint = t[1].is_none() ? kNoHint : nb::cast<int>(t[1]);
-    if (arr.is_none()) return {};
-  }
-  if (writable) {
-    nb::ndarray<> a;
-    if (!nb::try_cast(arr, a, false))
-      bad(name, "expected a writable tensor supporting DLPack or the buffer protocol, got " + py_type_name(arr));
-    keep.rw.push_back(a);
-    return view_from(a, hint, name);
-  }
-  nb::ndarray<nb::ro> a;
-  if (!nb::try_cast(arr, a, false))
-    bad(name, "expected a tensor supporting DLPack or the buffer protocol, got " + py_type_name(arr));
-  keep.ro.push_back(a);
-  return view_from(a, hint, name);
-}
-
-TensorView get(const nb::dict& d, const char* name, Keep& keep, bool writable = false) {
-  if (!d.contains(name)) return {};
-  return to_view(d[name], name, writable, keep);
-}
-
-// Every key must be one this call knows: a misspelled tensor name must not be ignored silently.
-// The tensors of a descriptor struct, by their Python names: one table gives both the accepted keys and
-// where each view goes.
-template <class Desc> struct ViewField {
-  const char* name;
-  TensorView Desc::*member;
-};
-template <class Desc, size_t N>
-void read_views(const nb::dict& t, const ViewField<Desc> (&fields)[N], const char* what, Keep& keep, Desc& d);
-
-void check_keys(const nb::dict& d, const std::vector<std::string_view>& known, const char* what) {
-  for (auto [k, v] : d) {
-    const std::string key = nb::cast<std::string>(k);
-    if (std::find(known.begin(), known.end(), key) != known.end()) continue;
-    std::string list;
-    for (const std::string_view n : known) list += std::string(list.empty() ? "" : ", ") + std::string(n);
-    bad(key, std::string("unknown tensor for ") + what + "; expected one of: " + list);
-  }
-}
-
-template <class Desc, size_t N>
-void read_views(const nb::dict& t, const ViewField<Desc> (&fields)[N], const char* what, Keep& keep, Desc& d) {
-  std::vector<std::string_view> names;
-  for (const auto& f : fields) names.push_back(f.name);
-  check_keys(t, names, what);
-  for (const auto& f : fields) d.*(f.member) = get(t, f.name, keep);
-}
-
-// A NumPy array that owns a moved-in vector.
-template <class T>
-nb::object numpy_from(std::vector<T>&& v, std::vector<size_t> shape) {
-  auto* owned = new std::vector<T>(std::move(v));
-  nb::capsule owner(owned, [](void* p) noexcept { delete static_cast<std::vector<T>*>(p); });
-  nb::ndarray<nb::numpy, T> arr(owned->data(), shape.size(), shape.data(), owner);
-  return nb::cast(arr, nb::rv_policy::reference);
-}
-
-nb::dict describe(nb::handle obj) {
-  Keep keep;
-  TensorView v = to_view(obj, "tensor", false, keep);
-  nb::dict d;
-  d["dtype"] = static_cast<int>(v.dtype);
-  d["dtype_name"] = std::string(to_string(v.dtype));
-  d["device"] = v.device == Backend::CPU ? "cpu" : "cuda";
-  d["device_id"] = v.device_id;
-  nb::list shape, stride;
-  for (int i = 0; i < v.ndim; ++i) {
-    shape.append(v.shape[i]);
-    stride.append(v.stride[i]);
-  }
-  d["shape"] = nb::tuple(shape);
-  d["strides"] = nb::tuple(stride);
-  d["data_ptr"] = reinterpret_cast<uintptr_t>(v.data);
-  return d;
-}
 
 MoeWeights py_prepare_weights(const nb::dict& t, int format, int order, int scale_layout, bool gated, int64_t E,
                               int64_t H, int64_t I, int backend, int device_id) {
