@@ -11,6 +11,8 @@
 
 #include "cuda/gemm/epilogue.cuh"
 #include "cuda/gemm/epilogue_a4.cuh"
+#include "cuda/gemm/k_order.cuh"
+#include "cuda/gemm/lora_rows.cuh"
 #include "cuda/lora_expand.cuh"
 
 namespace fp4moe::cuda_backend {
@@ -31,10 +33,28 @@ template <class Cfg, class Epi, class Act> struct WeightsAsAEpilogue {
   const uint16_t* cB = nullptr;
   uint32_t bfrag0[RG][4];         // its first k16 step's A operand (B rows n0 + 16r + g, + 8)
 
+  // Each tile row's lookups in shared memory: LoRA slot and shrink row (and its B rows asked of L2), Epi::row_pre.
+  struct Rows {
+    const dev::LoraRowRef* lora;
+    const uint32_t (*t0)[8];
+    const typename Epi::RowPre* pre;
+  };
+  // Made while the first stages load: in the epilogue they were chains of dependent loads per token group (which
+  // the fused A4 epilogue's lane exchanges kept from overlapping). Read after a barrier of the math threads.
+  __device__ __forceinline__ static Rows lookup_rows(const GemmProblem& g, const typename Epi::Params& ep,
+                                                     const TileRows& tr, int nb) {
+    __shared__ dev::LoraRowRef s_lora_rows[Cfg::BM];
+    __shared__ uint32_t s_lora_t0[kStageT0 ? Cfg::BM : 1][8];
+    __shared__ typename Epi::RowPre s_row_pre[Cfg::BM];
+    if (ep.lora.table) lora_lookup_rows<Cfg, Epi, Act>(g, ep, tr, nb, s_lora_rows, kStageT0 ? s_lora_t0 : nullptr);
+    const int i = Cfg::THREADS - 1 - static_cast<int>(threadIdx.x);
+    if (i < Cfg::BM && tr.row0 + i < tr.row_end) s_row_pre[i] = Epi::row_pre(ep, g, tr.row0 + i);
+    return Rows{s_lora_rows, s_lora_t0, s_row_pre};
+  }
+
   __device__ __forceinline__ WeightsAsAEpilogue(const typename Epi::Params& ep_, const TileRows& tr_, int n0_,
-                                                const dev::LoraRowRef* rows, const uint32_t (*t0)[8],
-                                                const typename Epi::RowPre* pre)
-      : ep(ep_), tr(tr_), lora_rows(rows), lora_t0(t0), row_pre(pre), n0(n0_) {
+                                                const Rows& rows)
+      : ep(ep_), tr(tr_), lora_rows(rows.lora), lora_t0(rows.t0), row_pre(rows.pre), n0(n0_) {
     const int lane = threadIdx.x & 31;
     gq = lane >> 2;
     t = lane & 3;
@@ -104,6 +124,23 @@ template <class Cfg, class Epi, class Act> struct WeightsAsAEpilogue {
         if (sel1 == s) { dl[r][1] = dev::round_to_bf16(d[1]); dl[r][3] = dev::round_to_bf16(d[3]); }
       }
     });
+  }
+
+  // The token groups with rows, their chunk sums in shared memory (accumulator (group i, row group r) at
+  // sums[(i * RG + r) * THREADS]), in a rolled loop: unrolled over the groups with its LoRA passes, the epilogue was
+  // most of a wgmma kernel's code (bench/NOTES.md, Version 11).
+  __device__ __forceinline__ void groups_from_shared(const float4* sums, int groups) {
+#pragma unroll 1
+    for (int i = 0; i < groups; ++i) {
+      float ga[RG][4];
+#pragma unroll
+      for (int r = 0; r < RG; ++r) {
+        const float4 v = sums[(i * RG + r) * Cfg::THREADS];
+        ga[r][0] = v.x, ga[r][1] = v.y, ga[r][2] = v.z, ga[r][3] = v.w;
+      }
+      if constexpr (Cfg::FP4) unscale_products(ga);
+      group(i, ga);
+    }
   }
 
   // Token group i, its sums ga (ga[r]: row group r). A pair (rows 2m, 2m + 1) of a token is split between lanes

@@ -19,7 +19,6 @@
 
 #include "cuda/gemm/epilogue_weights_as_a.cuh"
 #include "cuda/gemm/k_order.cuh"
-#include "cuda/gemm/lora_rows.cuh"
 #include "cuda/gemm/mainloop_mma_sync.cuh"
 #include "cuda/gemm/mainloop_wgmma.cuh"
 #include "cuda/gemm/pipeline.cuh"
@@ -68,19 +67,7 @@ __device__ __forceinline__ void weights_as_a_tile(const GemmProblem& g, const ty
   const int groups = (tr.row_end - tr.row0 + 7) >> 3;  // token groups with rows (uniform)
   const int KB = static_cast<int>(g.B.Kp / Cfg::BK);
 
-  // LoRA: each tile row's slot and shrink row (and its B rows asked of L2) while the first stages load; the
-  // epilogue reads them after the loop (looked up there, group by group, they made each expand wait a chain).
-  __shared__ dev::LoraRowRef s_lora_rows[Cfg::BM];
-  __shared__ uint32_t s_lora_t0[Epilogue::kStageT0 ? Cfg::BM : 1][8];
-  if (ep.lora.table)
-    lora_lookup_rows<Cfg, Epi, Act>(g, ep, tr, nb, s_lora_rows, Epilogue::kStageT0 ? s_lora_t0 : nullptr);
-  // Likewise each tile row's epilogue loads (Epi::row_pre: entry, token scale): in the epilogue they were a chain of
-  // dependent loads per token group, which the fused A4 epilogue's lane exchanges kept from overlapping.
-  __shared__ typename Epi::RowPre s_row_pre[Cfg::BM];
-  {
-    const int i = Cfg::THREADS - 1 - static_cast<int>(threadIdx.x);
-    if (i < Cfg::BM && tr.row0 + i < tr.row_end) s_row_pre[i] = Epi::row_pre(ep, g, tr.row0 + i);
-  }
+  const typename Epilogue::Rows rows = Epilogue::lookup_rows(g, ep, tr, nb);  // while the first stages load
 
   const SplitK<Cfg, ACCS> split(g, KB, tile_lin);
   Mainloop mainloop;
@@ -114,18 +101,10 @@ __device__ __forceinline__ void weights_as_a_tile(const GemmProblem& g, const ty
   }
   if constexpr (Cfg::FP4 && !Cfg::WGMMA) unscale_products(acc);  // wgmma: group by group below
 
-  Epilogue epi(ep, tr, n0, s_lora_rows, s_lora_t0, s_row_pre);
-  math_sync<Cfg>();  // s_lora_rows, s_row_pre (block-uniform: every math thread gets here or none)
+  Epilogue epi(ep, tr, n0, rows);
+  math_sync<Cfg>();  // the row lookups (block-uniform: every math thread gets here or none)
   if constexpr (Cfg::WGMMA) {
-    // A rolled loop, the sums read from shared memory group by group: unrolled over the groups (with its LoRA
-    // passes) the epilogue was most of the kernel's code, and instruction fetch stalled on it.
-#pragma unroll 1
-    for (int i = 0; i < groups; ++i) {
-      const float4 v = chunk_sums[i * Cfg::THREADS];  // RG = 1: accumulator i
-      float ga[RG][4] = {{v.x, v.y, v.z, v.w}};
-      if constexpr (Cfg::FP4) unscale_products(ga);
-      epi.group(i, ga);
-    }
+    epi.groups_from_shared(chunk_sums, groups);
   } else {
 #pragma unroll
     for (int i = 0; i < GROUPS; ++i) {

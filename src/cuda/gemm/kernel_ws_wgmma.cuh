@@ -12,7 +12,6 @@
 
 #include "cuda/gemm/epilogue_weights_as_a.cuh"
 #include "cuda/gemm/k_order.cuh"
-#include "cuda/gemm/lora_rows.cuh"
 #include "cuda/gemm/mainloop_ws_wgmma.cuh"
 #include "cuda/gemm/pipeline_ws.cuh"
 #include "cuda/gemm/scheduler.cuh"
@@ -49,16 +48,7 @@ __global__ void __launch_bounds__(Cfg::BLOCK_THREADS, 1) ws_wgmma_gemm_kernel(Ge
   }
   dev::regs_alloc<kWsMathRegs>();
 
-  // The epilogue's lookups (LoRA rows, each row's Epi::row_pre) while the first stages load.
-  __shared__ dev::LoraRowRef s_lora_rows[Cfg::BM];
-  __shared__ uint32_t s_lora_t0[Epilogue::kStageT0 ? Cfg::BM : 1][8];
-  __shared__ typename Epi::RowPre s_row_pre[Cfg::BM];
-  if (ep.lora.table)
-    lora_lookup_rows<Cfg, Epi, Act>(g, ep, tr, nb, s_lora_rows, Epilogue::kStageT0 ? s_lora_t0 : nullptr);
-  {
-    const int i = Cfg::THREADS - 1 - static_cast<int>(threadIdx.x);
-    if (i < Cfg::BM && tr.row0 + i < tr.row_end) s_row_pre[i] = Epi::row_pre(ep, g, tr.row0 + i);
-  }
+  const typename Epilogue::Rows rows = Epilogue::lookup_rows(g, ep, tr, nb);  // while the first stages load
 
   // The chunk sums after the stages: accumulator (token group i, row group r) at [i * RG + r][thread].
   float4* sums = reinterpret_cast<float4*>(smem + Cfg::STAGES * Cfg::STAGE_BYTES) + threadIdx.x;
@@ -76,22 +66,9 @@ __global__ void __launch_bounds__(Cfg::BLOCK_THREADS, 1) ws_wgmma_gemm_kernel(Ge
     for (int r = 0; r < RG; ++r) add_chunk_shared<RG * Cfg::THREADS>(sums + r * Cfg::THREADS, part[r], kc == 0);
   }
 
-  Epilogue epi(ep, tr, nb + (static_cast<int>(threadIdx.x) >> 5) * 16 * RG, s_lora_rows, s_lora_t0, s_row_pre);
-  dev::named_sync<Cfg::THREADS>();  // s_lora_rows, s_row_pre
-  const int groups = (tr.row_end - tr.row0 + 7) >> 3;
-  // A rolled loop over the token groups, the sums read back from shared memory (unrolled, the epilogue with its
-  // LoRA passes was most of a wgmma kernel's code: bench/NOTES.md, Version 11).
-#pragma unroll 1
-  for (int i = 0; i < groups; ++i) {
-    float ga[RG][4];
-#pragma unroll
-    for (int r = 0; r < RG; ++r) {
-      const float4 v = sums[(i * RG + r) * Cfg::THREADS];
-      ga[r][0] = v.x, ga[r][1] = v.y, ga[r][2] = v.z, ga[r][3] = v.w;
-    }
-    if constexpr (Cfg::FP4) unscale_products(ga);
-    epi.group(i, ga);
-  }
+  Epilogue epi(ep, tr, nb + (static_cast<int>(threadIdx.x) >> 5) * 16 * RG, rows);
+  dev::named_sync<Cfg::THREADS>();  // the row lookups
+  epi.groups_from_shared(sums, (tr.row_end - tr.row0 + 7) >> 3);
 #else
   (void)g, (void)ep;
   __trap();  // the plan picks this tile on sm_90a devices only (ProblemShape::wgmma)
