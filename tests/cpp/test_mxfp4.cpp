@@ -7,6 +7,8 @@
 #include <cfloat>
 #include <cmath>
 #include <cstring>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "dense_problem.h"
@@ -35,6 +37,14 @@ uint8_t nearest_e2m1(double v) {
     if (d < db || (d == db && c % 2 == 0)) best = c;
   }
   return static_cast<uint8_t>(best | (std::signbit(v) ? 8 : 0));
+}
+
+// gpt_oss_120b's shape with MXFP4 experts (H = I = 2880: 90 blocks of 32), E reduced 128 -> E.
+Case gpt_oss_mxfp4(std::string name, int64_t E) {
+  Case c{.name = std::move(name), .shape = shape_named("gpt_oss_120b")};
+  c.E_total = c.E_loc = E;
+  c.format = WeightFormat::MXFP4;
+  return c;
 }
 
 TEST(Mxfp4, DecodeEveryCodeUnderEveryScale) {
@@ -159,10 +169,8 @@ TEST(Mxfp4, PrepareRefusesWhatMxfp4DoesNotHave) {
 }
 
 TEST(Mxfp4, A4IsRefusedNamingMode) {
-  Case c{.name = "mxfp4 A4", .shape = shape_named("gpt_oss_120b")};
-  c.E_total = c.E_loc = 4;
+  Case c = gpt_oss_mxfp4("mxfp4 A4", 4);
   c.T = 2;
-  c.format = WeightFormat::MXFP4;
   c.mode = ActMode::A4;
   Problem p(c);
   expect_error([&] { p.run(1); }, "mode", ErrorCode::Unsupported);
@@ -181,12 +189,10 @@ void check_dense(const Case& c) {
   EXPECT_GT(std::sqrt(norm / want.size()), 1e-2);  // the oracle can tell
 }
 
-// gpt_oss_120b's shape (H = I = 2880: 90 blocks of 32), E reduced 128 -> 8, SwigluBias with its clamp, biases.
-// A16 against the double oracle on the decoded weights: the bf16 roundings of a and of y remain (~1e-3).
+// gpt_oss_120b, 8 experts, SwigluBias with its clamp, biases. A16 against the double oracle on the decoded
+// weights: the bf16 roundings of a and of y remain (~1e-3).
 TEST(Mxfp4, ReferenceGptOss120bA16MatchesDense) {
-  Case c{.name = "gpt_oss_120b mxfp4 A16 bias", .shape = shape_named("gpt_oss_120b")};
-  c.E_total = c.E_loc = 8;
-  c.format = WeightFormat::MXFP4;
+  Case c = gpt_oss_mxfp4("gpt_oss_120b mxfp4 A16 bias", 8);
   c.bias = true;
   c.T = 6;
   c.tol = 2.5e-3;
@@ -216,9 +222,7 @@ TEST(Mxfp4, ReferenceUpFirstEpWindowAndMxfp4SharedExpert) {
 }
 
 TEST(Mxfp4, ReferenceWithLoraMatchesDense) {
-  Case c{.name = "gpt_oss_120b mxfp4 LoRA", .shape = shape_named("gpt_oss_120b")};
-  c.E_total = c.E_loc = 4;
-  c.format = WeightFormat::MXFP4;
+  Case c = gpt_oss_mxfp4("gpt_oss_120b mxfp4 LoRA", 4);
   c.T = 4;
   c.tol = 1e-2;  // the bf16 roundings of the LoRA intermediates (SPEC §5), as test_reference_lora.cpp
   c.seed = 13;
@@ -235,9 +239,7 @@ TEST(Mxfp4, ReferenceWithLoraMatchesDense) {
 }
 
 TEST(Mxfp4, ReferenceIsBatchInvariantBitForBit) {
-  Case c{.name = "gpt_oss_120b mxfp4 invariance", .shape = shape_named("gpt_oss_120b")};
-  c.E_total = c.E_loc = 8;
-  c.format = WeightFormat::MXFP4;
+  Case c = gpt_oss_mxfp4("gpt_oss_120b mxfp4 invariance", 8);
   c.bias = true;
   c.T = 7;
   c.seed = 15;
