@@ -16,8 +16,9 @@ template <class A> constexpr bool kGatedAct =
 
 // The epilogues work on pairs of adjacent outputs (col even, col + 1) of one row, so that every kernel
 // (epilogue_tokens_as_a.cuh, epilogue_weights_as_a.cuh) shares one arithmetic per output:
-// expert_ctx once per tile, row_ctx once per row, pair per two columns (raw fp32 accumulators and the
-// bf16-rounded LoRA deltas of lora_expand.cuh in, +0 deltas without LoRA). cols(p) is the output width
+// expert_ctx once per tile, row_ctx once per row, col_pre once per column pair (a tile's threads keep their columns
+// from row to row), pair per two columns (raw fp32 accumulators and the bf16-rounded LoRA deltas of
+// lora_expand.cuh in, +0 deltas without LoRA). cols(p) is the output width
 // and lora_b_row(p, n) the row of the adapter's B that feeds output column n (prepared order -> B's order).
 struct Epilogue1 {
   using Params = Epilogue1Params;
@@ -70,17 +71,28 @@ struct Epilogue1 {
   __device__ __forceinline__ static RowCtx row_ctx(const Params& p, const GemmProblem& g, const ExpertCtx& x, int r) {
     return row_ctx(p, x, r, row_pre(p, g, r));
   }
+  // A pair's column constants: whether col < N1, and the bias of col and col + 1 (+0 without: the delta after it
+  // turns -0 into +0 anyway). Tiles whose threads keep their columns make them once a tile.
+  struct ColPre {
+    float b0, b1;
+    bool in;
+  };
+  __device__ __forceinline__ static ColPre col_pre(const Params& p, const ExpertCtx& x, int col) {
+    ColPre c{0.f, 0.f, col < p.N1};
+    if (p.bias && c.in) {
+      c.b0 = p.bias[static_cast<int64_t>(x.e) * p.N1 + col];
+      c.b1 = p.bias[static_cast<int64_t>(x.e) * p.N1 + col + 1];
+    }
+    return c;
+  }
   // A gated activation's a at column col / 2 (col even, < N1: the pair gate | up in the prepared order), in
   // float before its bf16 rounding.
   template <class Act>
-  __device__ __forceinline__ static float gated_value(const Params& p, const ExpertCtx& x, const RowCtx& rc, int col,
-                                                      float c0, float c1, float l0, float l1) {
-    float h0 = __fmul_rn(c0, rc.a_even);
-    float h1 = __fmul_rn(c1, rc.a_odd);
-    if (p.bias) {
-      h0 = __fadd_rn(h0, p.bias[static_cast<int64_t>(x.e) * p.N1 + col]);
-      h1 = __fadd_rn(h1, p.bias[static_cast<int64_t>(x.e) * p.N1 + col + 1]);
-    }
+  __device__ __forceinline__ static float gated_value(const Params& p, const ExpertCtx& x, const RowCtx& rc,
+                                                      const ColPre& cp, int col, float c0, float c1, float l0,
+                                                      float l1) {
+    float h0 = __fadd_rn(__fmul_rn(c0, rc.a_even), cp.b0);
+    float h1 = __fadd_rn(__fmul_rn(c1, rc.a_odd), cp.b1);
     const int j = col >> 1;
     float dg = 0.f, du = 0.f;
     if (p.delta) {
@@ -103,20 +115,16 @@ struct Epilogue1 {
     if (p.act_out) p.act_out[static_cast<int64_t>(rc.entry) * p.I + j] = a;
   }
   template <class Act>
-  __device__ __forceinline__ static void pair(const Params& p, const ExpertCtx& x, const RowCtx& rc, int col, float c0,
-                                              float c1, float l0, float l1) {
-    if (col >= p.N1) return;
-    const int e = x.e, r = rc.r, entry = rc.entry;
+  __device__ __forceinline__ static void pair(const Params& p, const ExpertCtx& x, const RowCtx& rc, const ColPre& cp,
+                                              int col, float c0, float c1, float l0, float l1) {
+    if (!cp.in) return;
+    const int r = rc.r, entry = rc.entry;
     if constexpr (kGatedAct<Act>) {
-      const uint16_t a = dev::f32_to_bf16(gated_value<Act>(p, x, rc, col, c0, c1, l0, l1));
+      const uint16_t a = dev::f32_to_bf16(gated_value<Act>(p, x, rc, cp, col, c0, c1, l0, l1));
       store_gated(p, rc, col >> 1, a, a);
     } else {
-      float h0 = __fmul_rn(c0, rc.a_even);
-      float h1 = __fmul_rn(c1, rc.a_odd);
-      if (p.bias) {
-        h0 = __fadd_rn(h0, p.bias[static_cast<int64_t>(e) * p.N1 + col]);
-        h1 = __fadd_rn(h1, p.bias[static_cast<int64_t>(e) * p.N1 + col + 1]);
-      }
+      float h0 = __fadd_rn(__fmul_rn(c0, rc.a_even), cp.b0);
+      float h1 = __fadd_rn(__fmul_rn(c1, rc.a_odd), cp.b1);
       float d0 = 0.f, d1 = 0.f;
       if (p.delta) {
         const uint16_t* d = p.delta + static_cast<int64_t>(entry) * p.N1;
@@ -164,16 +172,25 @@ struct Epilogue2 {
   __device__ __forceinline__ static RowCtx row_ctx(const Params& p, const GemmProblem& g, const ExpertCtx& x, int r) {
     return row_ctx(p, x, r, row_pre(p, g, r));
   }
-  template <class Act>
-  __device__ __forceinline__ static void pair(const Params& p, const ExpertCtx& x, const RowCtx& rc, int col, float c0,
-                                              float c1, float l0, float l1) {
-    if (col >= p.H) return;
-    float o0 = __fmul_rn(c0, x.s);
-    float o1 = __fmul_rn(c1, x.s);
-    if (p.bias) {
-      o0 = __fadd_rn(o0, p.bias[static_cast<int64_t>(x.e) * p.H + col]);
-      o1 = __fadd_rn(o1, p.bias[static_cast<int64_t>(x.e) * p.H + col + 1]);
+  // As Epilogue1::ColPre (+0 bias without: the LoRA delta after it turns -0 into +0 anyway).
+  struct ColPre {
+    float b0, b1;
+    bool in;
+  };
+  __device__ __forceinline__ static ColPre col_pre(const Params& p, const ExpertCtx& x, int col) {
+    ColPre c{0.f, 0.f, col < p.H};
+    if (p.bias && c.in) {
+      c.b0 = p.bias[static_cast<int64_t>(x.e) * p.H + col];
+      c.b1 = p.bias[static_cast<int64_t>(x.e) * p.H + col + 1];
     }
+    return c;
+  }
+  template <class Act>
+  __device__ __forceinline__ static void pair(const Params& p, const ExpertCtx& x, const RowCtx& rc, const ColPre& cp,
+                                              int col, float c0, float c1, float l0, float l1) {
+    if (!cp.in) return;
+    const float o0 = __fadd_rn(__fmul_rn(c0, x.s), cp.b0);
+    const float o1 = __fadd_rn(__fmul_rn(c1, x.s), cp.b1);
     // The down LoRA delta, always added (+0 for base rows, which turns -0 into +0 as the reference).
     *reinterpret_cast<float2*>(rc.orow + col) = make_float2(__fadd_rn(o0, l0), __fadd_rn(o1, l1));
   }

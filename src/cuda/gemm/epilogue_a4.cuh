@@ -18,7 +18,8 @@ namespace fp4moe::cuda_backend {
 // (lane + 4), as the caller exchanged them; ga: the group's sums (row group r).
 template <class Act, int RG>
 __device__ __forceinline__ void fused_a4_store(const Epilogue1Params& ep, const Epilogue1::RowPre* row_pre,
-                                               const Epilogue1::ExpertCtx& x, const TileRows& tr, int i, int n0,
+                                               const Epilogue1::ExpertCtx& x, const Epilogue1::ColPre (&cp)[RG][2],
+                                               const TileRows& tr, int i, int n0,
                                                const float (&ga)[RG][4], const float (&up)[RG][4],
                                                const float (&dl)[RG][4], const float (&dup)[RG][4]) {
   const int lane = threadIdx.x & 31, gq = lane >> 2, t = lane & 3, tk = gq & 1;
@@ -45,7 +46,8 @@ __device__ __forceinline__ void fused_a4_store(const Epilogue1Params& ep, const 
       const int col = n0 + 16 * r + (gq & ~1) + 8 * h;  // the pair's gate column
       const float g0 = tk ? gate[r][h] : ga[r][2 * h], u0 = tk ? ga[r][2 * h + 1] : up[r][2 * h];
       const float gd = tk ? dgate[r][h] : dl[r][2 * h], ud = tk ? dl[r][2 * h + 1] : dup[r][2 * h];
-      ab[r][h] = mine ? dev::f32_to_bf16(Epilogue1::gated_value<Act>(ep, x, rc, col, g0, u0, gd, ud)) : uint16_t{0};
+      ab[r][h] =
+          mine ? dev::f32_to_bf16(Epilogue1::gated_value<Act>(ep, x, rc, cp[r][h], col, g0, u0, gd, ud)) : uint16_t{0};
       dev::quant_block_amax(dev::bf16_to_f32(ab[r][h]), amax, non_finite);
     }
 #pragma unroll

@@ -80,10 +80,11 @@ __device__ __forceinline__ void tile_epilogue(const typename Epi::Params& p, con
 #pragma unroll
     for (int nt = 0; nt < Cfg::NT; ++nt) {
       const int col = n0 + wn * Cfg::WTN + nt * 8 + 2 * t;
+      const auto cp = Epi::col_pre(p, x, col);
 #pragma unroll
       for (int half = 0; half < 2; ++half)
         if (valid[half])
-          Epi::template pair<Act>(p, x, rc[half], col, ml.acc[mt][nt][2 * half], ml.acc[mt][nt][2 * half + 1],
+          Epi::template pair<Act>(p, x, rc[half], cp, col, ml.acc[mt][nt][2 * half], ml.acc[mt][nt][2 * half + 1],
                                   dl[nt][2 * half], dl[nt][2 * half + 1]);
     }
   }

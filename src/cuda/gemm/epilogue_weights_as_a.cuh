@@ -29,6 +29,12 @@ template <class Cfg, class Epi, class Act> struct WeightsAsAEpilogue {
   const typename Epi::RowPre* row_pre;  // [BM], Epi::row_pre of each tile row
   int n0, N, gq, t;
   typename Epi::ExpertCtx x;
+  // The warp-specialised tile has registers to spare in its epilogue (the other tiles spilled with the two uses):
+  // it keeps its column constants and reads the next group's sums ahead.
+  static constexpr bool kSpareRegs = Cfg::WS;
+  // This lane's column pairs n0 + (gq & ~1) + 16r + 8h, the same for every group (else made a group at a time).
+  static constexpr bool kKeepCols = kSpareRegs;
+  typename Epi::ColPre cp[kKeepCols ? RG : 1][2];
   int cached_slot = -1, crk = 0;  // warp-uniform: the slot whose B (rank crk, this expert) the fragments hold
   const uint16_t* cB = nullptr;
   uint32_t bfrag0[RG][4];         // its first k16 step's A operand (B rows n0 + 16r + g, + 8)
@@ -60,6 +66,13 @@ template <class Cfg, class Epi, class Act> struct WeightsAsAEpilogue {
     t = lane & 3;
     x = Epi::template expert_ctx<Act>(ep, tr.expert);
     N = Epi::cols(ep);
+    if constexpr (kKeepCols) col_pres(cp);
+  }
+  __device__ __forceinline__ void col_pres(typename Epi::ColPre (&c)[RG][2]) const {
+#pragma unroll
+    for (int r = 0; r < RG; ++r)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) c[r][h] = Epi::col_pre(ep, x, n0 + (gq & ~1) + 16 * r + 8 * h);
   }
 
   __device__ __forceinline__ void b_rows(int r, const uint16_t*& ba, const uint16_t*& bb) const {
@@ -129,15 +142,23 @@ template <class Cfg, class Epi, class Act> struct WeightsAsAEpilogue {
   // The token groups with rows, their chunk sums in shared memory (accumulator (group i, row group r) at
   // sums[(i * RG + r) * THREADS]), in a rolled loop: unrolled over the groups with its LoRA passes, the epilogue was
   // most of a wgmma kernel's code (bench/NOTES.md, Version 11).
+  // With kSpareRegs the next group's sums are read before this group's stores (the compiler keeps loads after them).
   __device__ __forceinline__ void groups_from_shared(const float4* sums, int groups) {
+    float4 next[RG];
+    auto read = [&](int i) {
+#pragma unroll
+      for (int r = 0; r < RG; ++r) next[r] = sums[(i * RG + r) * Cfg::THREADS];
+    };
+    if constexpr (kSpareRegs) read(0);
 #pragma unroll 1
     for (int i = 0; i < groups; ++i) {
+      if constexpr (!kSpareRegs) read(i);
       float ga[RG][4];
 #pragma unroll
       for (int r = 0; r < RG; ++r) {
-        const float4 v = sums[(i * RG + r) * Cfg::THREADS];
-        ga[r][0] = v.x, ga[r][1] = v.y, ga[r][2] = v.z, ga[r][3] = v.w;
+        ga[r][0] = next[r].x, ga[r][1] = next[r].y, ga[r][2] = next[r].z, ga[r][3] = next[r].w;
       }
+      if constexpr (kSpareRegs) read(min(i + 1, groups - 1));
       if constexpr (Cfg::FP4) unscale_products(ga);
       group(i, ga);
     }
@@ -153,6 +174,13 @@ template <class Cfg, class Epi, class Act> struct WeightsAsAEpilogue {
     for (int r = 0; r < RG; ++r) dl[r][0] = dl[r][1] = dl[r][2] = dl[r][3] = 0.f;
     const bool lora = ep.lora.table != nullptr;  // block-uniform
     if (lora) lora_deltas(i, dl);
+    typename Epi::ColPre cg[RG][2];
+    if constexpr (kKeepCols) {
+#pragma unroll
+      for (int r = 0; r < RG; ++r) cg[r][0] = cp[r][0], cg[r][1] = cp[r][1];
+    } else {
+      col_pres(cg);
+    }
     if constexpr (std::is_same_v<Epi, Epilogue1> && kGatedAct<Act> && RG == 2) {
       if (ep.a_quant_gs > 0.f) {  // A4 fused (block-uniform)
         float nb[RG][4], dn[RG][4];
@@ -163,7 +191,7 @@ template <class Cfg, class Epi, class Act> struct WeightsAsAEpilogue {
             nb[r][q] = __shfl_down_sync(0xffffffffu, ga[r][q], 4);
             dn[r][q] = __shfl_down_sync(0xffffffffu, dl[r][q], 4);
           }
-        fused_a4_store<Act>(ep, row_pre, x, tr, i, n0, ga, nb, dl, dn);
+        fused_a4_store<Act>(ep, row_pre, x, cg, tr, i, n0, ga, nb, dl, dn);
         return;
       }
     }
@@ -194,7 +222,8 @@ template <class Cfg, class Epi, class Act> struct WeightsAsAEpilogue {
       for (int r = 0; r < RG; ++r)
 #pragma unroll
         for (int h = 0; h < 2; ++h)
-          Epi::template pair<Act>(ep, x, rc, col0 + 16 * r + 8 * h, c[r][h][0], c[r][h][1], l[r][h][0], l[r][h][1]);
+          Epi::template pair<Act>(ep, x, rc, cg[r][h], col0 + 16 * r + 8 * h, c[r][h][0], c[r][h][1], l[r][h][0],
+                                  l[r][h][1]);
     }
   }
 };
