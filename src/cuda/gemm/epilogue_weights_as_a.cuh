@@ -144,6 +144,9 @@ template <class Cfg, class Epi, class Act> struct WeightsAsAEpilogue {
   // most of a wgmma kernel's code (bench/NOTES.md, Version 11).
   // With kSpareRegs the next group's sums are read before this group's stores (the compiler keeps loads after them).
   __device__ __forceinline__ void groups_from_shared(const float4* sums, int groups) {
+    if constexpr (kSpareRegs) {
+      if (!ep.lora.table && !a4_fused()) return pairs_from_shared(sums, groups);  // block-uniform
+    }
     float4 next[RG];
     auto read = [&](int i) {
 #pragma unroll
@@ -161,6 +164,53 @@ template <class Cfg, class Epi, class Act> struct WeightsAsAEpilogue {
       if constexpr (kSpareRegs) read(min(i + 1, groups - 1));
       if constexpr (Cfg::FP4) unscale_products(ga);
       group(i, ga);
+    }
+  }
+
+  __device__ __forceinline__ bool a4_fused() const {
+    if constexpr (std::is_same_v<Epi, Epilogue1> && kGatedAct<Act> && RG == 2) return ep.a_quant_gs > 0.f;
+    return false;
+  }
+
+  // The groups without LoRA deltas: each lane reads its token's values of both rows of its pairs from the sums of
+  // the pair's even and odd lane (thread & ~4, | 4), not through shuffles (an exchange in every group's chain).
+  __device__ __forceinline__ void pairs_from_shared(const float4* sums, int groups) {
+    const int tk = gq & 1, lane_bit = static_cast<int>(threadIdx.x) & 4;
+    const float* even = reinterpret_cast<const float*>(sums - lane_bit) + tk;
+    const float* odd = reinterpret_cast<const float*>(sums + 4 - lane_bit) + tk;
+    float next[RG][2][2];
+    auto read = [&](int i) {
+#pragma unroll
+      for (int r = 0; r < RG; ++r)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          next[r][h][0] = even[(i * RG + r) * Cfg::THREADS * 4 + 2 * h];
+          next[r][h][1] = odd[(i * RG + r) * Cfg::THREADS * 4 + 2 * h];
+        }
+    };
+    read(0);
+    const int col0 = n0 + (gq & ~1);
+#pragma unroll 1
+    for (int i = 0; i < groups; ++i) {
+      float c[RG][2][2];
+#pragma unroll
+      for (int r = 0; r < RG; ++r)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int q = 0; q < 2; ++q) {
+            c[r][h][q] = next[r][h][q];
+            if constexpr (Cfg::FP4) c[r][h][q] *= nvfp4_prepared::kProductScale;  // as unscale_products
+          }
+      read(min(i + 1, groups - 1));
+      const int row = tr.row0 + i * 8 + 2 * t + tk;
+      if (row >= tr.row_end) continue;
+      const auto rc = Epi::row_ctx(ep, x, row, row_pre[row - tr.row0]);
+#pragma unroll
+      for (int r = 0; r < RG; ++r)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          Epi::template pair<Act>(ep, x, rc, cp[r][h], col0 + 16 * r + 8 * h, c[r][h][0], c[r][h][1], 0.f, 0.f);
     }
   }
 
