@@ -172,37 +172,42 @@ template <class Cfg, class Epi, class Act> struct WeightsAsAEpilogue {
     return false;
   }
 
-  // The groups without LoRA deltas: each lane reads its token's values of both rows of its pairs from the sums of
-  // the pair's even and odd lane (thread & ~4, | 4), not through shuffles (an exchange in every group's chain).
+  // The groups without LoRA deltas: each lane reads the sums of its pair's even and odd lane (thread & ~4, | 4) and
+  // takes its token's values of both rows, not through shuffles (an exchange in every group's chain). Whole float4s:
+  // the two lanes of a pair read the same ones (4 wavefronts a row group; a float each took 16).
   __device__ __forceinline__ void pairs_from_shared(const float4* sums, int groups) {
     const int tk = gq & 1, lane_bit = static_cast<int>(threadIdx.x) & 4;
-    const float* even = reinterpret_cast<const float*>(sums - lane_bit) + tk;
-    const float* odd = reinterpret_cast<const float*>(sums + 4 - lane_bit) + tk;
-    float next[RG][2][2];
+    const float4* even = sums - lane_bit;
+    const float4* odd = sums + 4 - lane_bit;
+    float4 ne[RG], no[RG];
     auto read = [&](int i) {
 #pragma unroll
-      for (int r = 0; r < RG; ++r)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          next[r][h][0] = even[(i * RG + r) * Cfg::THREADS * 4 + 2 * h];
-          next[r][h][1] = odd[(i * RG + r) * Cfg::THREADS * 4 + 2 * h];
-        }
+      for (int r = 0; r < RG; ++r) {
+        ne[r] = even[(i * RG + r) * Cfg::THREADS];
+        no[r] = odd[(i * RG + r) * Cfg::THREADS];
+      }
     };
     read(0);
     const int col0 = n0 + (gq & ~1);
 #pragma unroll 1
     for (int i = 0; i < groups; ++i) {
-      float c[RG][2][2];
+      float c[RG][2][2];  // [r][h][row 2m, 2m + 1] of token 2t + tk
 #pragma unroll
-      for (int r = 0; r < RG; ++r)
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-          for (int q = 0; q < 2; ++q) {
-            c[r][h][q] = next[r][h][q];
-            if constexpr (Cfg::FP4) c[r][h][q] *= nvfp4_prepared::kProductScale;  // as unscale_products
-          }
+      for (int r = 0; r < RG; ++r) {
+        c[r][0][0] = tk ? ne[r].y : ne[r].x;
+        c[r][1][0] = tk ? ne[r].w : ne[r].z;
+        c[r][0][1] = tk ? no[r].y : no[r].x;
+        c[r][1][1] = tk ? no[r].w : no[r].z;
+      }
       read(min(i + 1, groups - 1));
+      if constexpr (Cfg::FP4) {
+#pragma unroll
+        for (int r = 0; r < RG; ++r)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int q = 0; q < 2; ++q) c[r][h][q] *= nvfp4_prepared::kProductScale;  // as unscale_products
+      }
       const int row = tr.row0 + i * 8 + 2 * t + tk;
       if (row >= tr.row_end) continue;
       const auto rc = Epi::row_ctx(ep, x, row, row_pre[row - tr.row0]);
