@@ -2,8 +2,9 @@
 // tokens x BN weight rows (256 NVFP4, 128 bf16), one block an SM. A producer warpgroup issues every copy (weights
 // and scales by bulk copies, tokens by cp.async; WsRing); two math warpgroups, holding the registers the producer
 // gives up (setmaxnreg), only decode, multiply and hand stages back (WsWgmmaMath), then run the weights-as-A
-// epilogue. Block (x, y) = (m tile, n tile) in the band order (grid_tile). Reads top to bottom: schedule, roles,
-// the epilogue's lookups beside the first copies, the mainloop chunk by chunk, the epilogue group by group.
+// epilogue. Block (x, y) = (m tile, g.ws_sub n tiles) in the band order (grid_tile), the n tiles one after the other.
+// Reads top to bottom: schedule, roles, the epilogue's lookups beside the first copies, then each n tile's mainloop
+// chunk by chunk and its epilogue group by group.
 //
 // Bits: the canonical K order (k_order.cuh) as every tile: a chunk's chain of k16 steps from zero in registers,
 // chunk sums added in chunk order in shared memory (a float4 a thread and accumulator, after the stages). No split-K.
@@ -21,6 +22,10 @@ namespace fp4moe::cuda_backend {
 
 // The registers a thread of each role keeps (setmaxnreg): 128 * kWsProducerRegs + THREADS * kWsMathRegs <= 64 K.
 constexpr int kWsProducerRegs = 56, kWsMathRegs = 224;
+// A block runs g.ws_sub n tiles of its m tile one after the other (one set of row lookups): the producer loads the
+// next one's first stages while the math warps run the epilogue of the one before. The launch picks it
+// (ws_sub_tiles): on short K the fill and the epilogue are much of a tile.
+constexpr int kWsMaxSub = 4;
 
 template <class Cfg, class Epi, class Act>
 __global__ void __launch_bounds__(Cfg::BLOCK_THREADS, 1) ws_wgmma_gemm_kernel(GemmProblem g, typename Epi::Params ep) {
@@ -36,14 +41,17 @@ __global__ void __launch_bounds__(Cfg::BLOCK_THREADS, 1) ws_wgmma_gemm_kernel(Ge
   dev::pdl_wait();
   dev::pdl_launch_dependents();
   TileRows tr;
-  int nb;
-  if (!block_tile<Cfg::BM, Cfg::BN>(g, tr, nb)) return;
+  int nb;  // the first weight row of the block's first n tile
+  if (!block_tile<Cfg::BM>(g, tr, nb, Cfg::BN * g.ws_sub)) return;
   const int KB = static_cast<int>(g.B.Kp / Cfg::BK);
+  const int subs = min(g.ws_sub, static_cast<int>((g.B.N - nb + Cfg::BN - 1) / Cfg::BN));  // n tiles with rows
   WsRing<Cfg> ring(smem);
 
-  if (threadIdx.x >= Cfg::THREADS) {  // the producer warpgroup
+  if (threadIdx.x >= Cfg::THREADS) {  // the producer warpgroup: every n tile's k-blocks through one ring
     dev::regs_dealloc<kWsProducerRegs>();
-    ring.produce(g, tr, nb, KB);
+    typename WsRing<Cfg>::Writer w;
+    for (int u = 0; u < subs; ++u) ring.produce(w, g, tr, nb + u * Cfg::BN, KB);
+    dev::cp_async_wait<0>();
     return;
   }
   dev::regs_alloc<kWsMathRegs>();
@@ -53,22 +61,26 @@ __global__ void __launch_bounds__(Cfg::BLOCK_THREADS, 1) ws_wgmma_gemm_kernel(Ge
   // The chunk sums after the stages: accumulator (token group i, row group r) at [i * RG + r][thread].
   float4* sums = reinterpret_cast<float4*>(smem + Cfg::STAGES * Cfg::STAGE_BYTES) + threadIdx.x;
   Math math(ring);
-  float part[RG][GROUPS][4];
-  for (int kc = 0; kc < KB; kc += kChunkBlocks) {  // one K chunk: one chain per output
+  for (int u = 0; u < subs; ++u) {
+    const int n0 = nb + u * Cfg::BN;
+    float part[RG][GROUPS][4];
+    for (int kc = 0; kc < KB; kc += kChunkBlocks) {  // one K chunk: one chain per output
 #pragma unroll
-    for (int r = 0; r < RG; ++r)
+      for (int r = 0; r < RG; ++r)
 #pragma unroll
-      for (int i = 0; i < GROUPS; ++i)
+        for (int i = 0; i < GROUPS; ++i)
 #pragma unroll
-        for (int q = 0; q < 4; ++q) part[r][i][q] = 0.f;
-    math.chunk(part, smem, ring, kc, min(kc + kChunkBlocks, KB));
+          for (int q = 0; q < 4; ++q) part[r][i][q] = 0.f;
+      math.chunk(part, smem, ring, kc, min(kc + kChunkBlocks, KB));
 #pragma unroll
-    for (int r = 0; r < RG; ++r) add_chunk_shared<RG * Cfg::THREADS>(sums + r * Cfg::THREADS, part[r], kc == 0);
-  }
+      for (int r = 0; r < RG; ++r) add_chunk_shared<RG * Cfg::THREADS>(sums + r * Cfg::THREADS, part[r], kc == 0);
+    }
 
-  Epilogue epi(ep, tr, nb + (static_cast<int>(threadIdx.x) >> 5) * 16 * RG, rows);
-  dev::named_sync<Cfg::THREADS>();  // the row lookups
-  epi.groups_from_shared(sums, (tr.row_end - tr.row0 + 7) >> 3);
+    Epilogue epi(ep, tr, n0 + (static_cast<int>(threadIdx.x) >> 5) * 16 * RG, rows);
+    if (u == 0) dev::named_sync<Cfg::THREADS>();  // the row lookups
+    epi.groups_from_shared(sums, (tr.row_end - tr.row0 + 7) >> 3);
+    __syncwarp();  // the pair's lanes have read each other's sums before the next tile's first chunk overwrites them
+  }
 #else
   (void)g, (void)ep;
   __trap();  // the plan picks this tile on sm_90a devices only (ProblemShape::wgmma)

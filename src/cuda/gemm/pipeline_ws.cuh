@@ -47,19 +47,24 @@ template <class C> struct WsRing {
     __syncthreads();
   }
 
-  // The producer warpgroup: k-blocks [0, nkb) of one tile, each into the next stage once the math warps handed it
-  // back; each thread's arrival on the stage's full barrier fires when its copies have landed (no wait here).
-  template <class Rows> __device__ __forceinline__ void produce(const GemmProblem& g, const Rows& tr, int n0, int nkb) {
-    TileLoader<C> ld(g, tr, n0, 0);
+  // The producer's place in the ring, kept from tile to tile: the next stage and the parity its empty barrier must
+  // complete (a fresh barrier's phase "before the first" counts as complete: the first round passes).
+  struct Writer {
     int s = 0;
-    uint32_t eph = 1;  // a fresh barrier's phase "before the first" counts as complete: the first round passes
+    uint32_t eph = 1;
+  };
+  // The producer warpgroup: k-blocks [0, nkb) of one tile, each into the next stage once the math warps handed it
+  // back; each thread's arrival on the stage's full barrier fires when its copies have landed (no wait here). The
+  // caller waits for its copies (cp_async_wait) before it exits.
+  template <class Rows>
+  __device__ __forceinline__ void produce(Writer& w, const GemmProblem& g, const Rows& tr, int n0, int nkb) const {
+    TileLoader<C> ld(g, tr, n0, 0);
     for (int j = 0; j < nkb; ++j) {
-      dev::mbar_wait(empty0 + 8 * s, eph);
-      ld.load_next(base + s * C::STAGE_BYTES, full0 + 8 * s);
-      dev::cp_async_mbar_arrive(full0 + 8 * s);
-      if (++s == S) s = 0, eph ^= 1u;
+      dev::mbar_wait(empty0 + 8 * w.s, w.eph);
+      ld.load_next(base + w.s * C::STAGE_BYTES, full0 + 8 * w.s);
+      dev::cp_async_mbar_arrive(full0 + 8 * w.s);
+      if (++w.s == S) w.s = 0, w.eph ^= 1u;
     }
-    dev::cp_async_wait<0>();
   }
 
   // A math warp's place in the ring: the stage of its next k-block and the parity of that stage's full phase.

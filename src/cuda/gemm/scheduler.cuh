@@ -43,12 +43,16 @@ __device__ __forceinline__ void grid_tile(int band, int& m, int& n) {
   }
 }
 
-// This block's tile of a (m tiles, n tiles) grid: its rows tr and its first weight row; false for a tile without rows.
-template <int BM, int BN> __device__ __forceinline__ bool block_tile(const GemmProblem& g, TileRows& tr, int& n0) {
+// This block's tile of a (m tiles, n tiles) grid: its rows tr and its first weight row (n tiles of bn rows); false
+// for a tile without rows.
+template <int BM> __device__ __forceinline__ bool block_tile(const GemmProblem& g, TileRows& tr, int& n0, int bn) {
   int m, n;
   grid_tile(g.m_band, m, n);
-  n0 = n * BN;
+  n0 = n * bn;
   return resolve_tile<BM>(g, tr, m);
+}
+template <int BM, int BN> __device__ __forceinline__ bool block_tile(const GemmProblem& g, TileRows& tr, int& n0) {
+  return block_tile<BM>(g, tr, n0, BN);
 }
 
 }  // namespace fp4moe::cuda_backend
