@@ -20,6 +20,21 @@ template <class A> constexpr bool kGatedAct =
 // from row to row), pair per two columns (raw fp32 accumulators and the bf16-rounded LoRA deltas of
 // lora_expand.cuh in, +0 deltas without LoRA). cols(p) is the output width
 // and lora_b_row(p, n) the row of the adapter's B that feeds output column n (prepared order -> B's order).
+// A pair's column constants: whether col < N, and the bias of expert e at col and col + 1 (+0 without: the delta
+// added after it turns -0 into +0 anyway). Tiles whose threads keep their columns make them once a tile.
+struct EpilogueColPre {
+  float b0, b1;
+  bool in;
+};
+__device__ __forceinline__ EpilogueColPre epilogue_col_pre(const float* bias, int e, int N, int col) {
+  EpilogueColPre c{0.f, 0.f, col < N};
+  if (bias && c.in) {
+    c.b0 = bias[static_cast<int64_t>(e) * N + col];
+    c.b1 = bias[static_cast<int64_t>(e) * N + col + 1];
+  }
+  return c;
+}
+
 struct Epilogue1 {
   using Params = Epilogue1Params;
   struct ExpertCtx {
@@ -71,19 +86,9 @@ struct Epilogue1 {
   __device__ __forceinline__ static RowCtx row_ctx(const Params& p, const GemmProblem& g, const ExpertCtx& x, int r) {
     return row_ctx(p, x, r, row_pre(p, g, r));
   }
-  // A pair's column constants: whether col < N1, and the bias of col and col + 1 (+0 without: the delta after it
-  // turns -0 into +0 anyway). Tiles whose threads keep their columns make them once a tile.
-  struct ColPre {
-    float b0, b1;
-    bool in;
-  };
+  using ColPre = EpilogueColPre;
   __device__ __forceinline__ static ColPre col_pre(const Params& p, const ExpertCtx& x, int col) {
-    ColPre c{0.f, 0.f, col < p.N1};
-    if (p.bias && c.in) {
-      c.b0 = p.bias[static_cast<int64_t>(x.e) * p.N1 + col];
-      c.b1 = p.bias[static_cast<int64_t>(x.e) * p.N1 + col + 1];
-    }
-    return c;
+    return epilogue_col_pre(p.bias, x.e, p.N1, col);
   }
   // A gated activation's a at column col / 2 (col even, < N1: the pair gate | up in the prepared order), in
   // float before its bf16 rounding.
@@ -172,18 +177,9 @@ struct Epilogue2 {
   __device__ __forceinline__ static RowCtx row_ctx(const Params& p, const GemmProblem& g, const ExpertCtx& x, int r) {
     return row_ctx(p, x, r, row_pre(p, g, r));
   }
-  // As Epilogue1::ColPre (+0 bias without: the LoRA delta after it turns -0 into +0 anyway).
-  struct ColPre {
-    float b0, b1;
-    bool in;
-  };
+  using ColPre = EpilogueColPre;
   __device__ __forceinline__ static ColPre col_pre(const Params& p, const ExpertCtx& x, int col) {
-    ColPre c{0.f, 0.f, col < p.H};
-    if (p.bias && c.in) {
-      c.b0 = p.bias[static_cast<int64_t>(x.e) * p.H + col];
-      c.b1 = p.bias[static_cast<int64_t>(x.e) * p.H + col + 1];
-    }
-    return c;
+    return epilogue_col_pre(p.bias, x.e, p.H, col);
   }
   template <class Act>
   __device__ __forceinline__ static void pair(const Params& p, const ExpertCtx& x, const RowCtx& rc, const ColPre& cp,
