@@ -434,6 +434,7 @@ GemmProblem gemm1(const Call& c, const Chunk& ch) {
   if (g1.wait_late) slots_from_adapter_ids(c, ch, e1.lora);
   e1.a_quant_gs = c.a4_fused ? 1.f / a.fc2_input_scale : 0.f;
   g1 = with_split(c, g1, c.plan.split1);
+  g1.ws_sub = c.plan.ws_sub1;
   launch_gemm1(c.plan.gemm_config, c.w.format, c.s.activation, g1, e1, static_cast<int>(c.plan.n1_tiles),
                g1.max_tiles, c.stream);
   return g1;
@@ -442,6 +443,7 @@ GemmProblem gemm1(const Call& c, const Chunk& ch) {
 // 6. GEMM2: o per (token, slot) entry.
 void gemm2(const Call& c, const Chunk& ch, const GemmProblem& g1) {
   GemmProblem g2 = with_split(c, g1, c.plan.split2);
+  g2.ws_sub = c.plan.ws_sub2;
   g2.wait_late = c.plan.gemms_beside_lora_shrinks ? 1 : 0;  // the a shrink lets it in after GEMM1 finished
   g2.A = c.b.act;
   g2.lda = c.s.I;
@@ -460,8 +462,8 @@ void gemm2(const Call& c, const Chunk& ch, const GemmProblem& g1) {
 void shared_expert(const Call& c, const Chunk& ch) {
   const DeviceWeights& sw = *c.sw;
   const int64_t H = c.s.H, Is = sw.I;
-  const GemmProblem gs1 =
-      with_split(c, dense_problem(ch.a_in, H, static_cast<int>(H), ch.tc, sw.w1), c.plan.shared_split1);
+  GemmProblem gs1 = with_split(c, dense_problem(ch.a_in, H, static_cast<int>(H), ch.tc, sw.w1), c.plan.shared_split1);
+  gs1.ws_sub = c.plan.shared_ws_sub1;
   Epilogue1Params es1 = epilogue1_for(sw, c.b.shared_act, 1, c.a4 ? c.b.x_scale : nullptr);
   es1.defaults = c.shared_params;
   es1.lora = expand(c, c.b.lora_st1, c.plan.lora_r2_stride, kLoraSharedGateUp);
@@ -470,8 +472,9 @@ void shared_expert(const Call& c, const Chunk& ch) {
                static_cast<int>(c.plan.shared_m_tiles), c.stream);
   if (c.lora) lora_shrink_act(c, ch, c.b.shared_act, Is, ch.tc, kLoraSharedDown, c.b.lora_st2, false);
   if (c.a4 && !c.a4_fused) quantize_fc2_input(c, c.b.shared_act, Is, ch.tc, nullptr);
-  const GemmProblem gs2 =
+  GemmProblem gs2 =
       with_split(c, dense_problem(c.b.shared_act, Is, static_cast<int>(Is), ch.tc, sw.w2), c.plan.shared_split2);
+  gs2.ws_sub = c.plan.shared_ws_sub2;
   Epilogue2Params es2 = epilogue2_for(sw, c.b.shared_out, 1, c.fc2_scale);
   es2.lora = expand(c, c.b.lora_st2, c.plan.lora_r2_stride, kLoraSharedDown);
   launch_gemm2(c.plan.gemm_config, sw.format, gs2, es2, static_cast<int>(c.plan.n2_tiles),

@@ -229,7 +229,7 @@ struct GemmProblem {
   // The weights-as-A kernel's PDL wait before its epilogue instead of before its mainloop (MoePlan::
   // gemms_beside_lora_shrinks): the mainloop reads only what kernels before the predecessor wrote.
   int wait_late = 0;
-  // The warp-specialised tile: n tiles a block runs one after the other (kernel_ws_wgmma.cuh; set by the launch).
+  // The warp-specialised tile: n tiles a block runs one after the other (kernel_ws_wgmma.cuh; plan.h MoePlan::ws_sub1).
   int ws_sub = 1;
 };
 

@@ -253,6 +253,19 @@ MoePlan make_plan(const ProblemShape& shape) {
   const GemmConfig& g0 = kGemmConfigs[s.gemm_config >= 0 ? s.gemm_config : choose(false)];
   splits(g0);
   splits(g);
+  // WS sub-tiles where K is short (the fill and the epilogue are much of a tile) and the grid is many waves: measured
+  // 2026-12-06 (bench/NOTES.md) kimi_k3_tp8 T=4096 0.93 with four a block; with two on long K deepseek_v3_ep8
+  // T=4096 (K = 2048, 7168) 1.08, mixtral_8x7b T=1024 1.13 (fewer, longer blocks).
+  auto ws_sub = [&](int64_t k_pad, int64_t m_tiles, int64_t n_tiles) {
+    const bool sub = g.ws && k_pad <= kWsSubMaxK && m_tiles * n_tiles >= kWsSubWaves * s.device.sm_count;
+    return static_cast<int>(sub ? std::min(kWsMaxSub, n_tiles) : 1);
+  };
+  p.ws_sub1 = ws_sub(p.k1_pad, p.max_m_tiles, p.n1_tiles);
+  p.ws_sub2 = ws_sub(p.k2_pad, p.max_m_tiles, p.n2_tiles);
+  if (s.has_shared) {
+    p.shared_ws_sub1 = ws_sub(p.k1_pad, p.shared_m_tiles, p.shared_n1_tiles);
+    p.shared_ws_sub2 = ws_sub(p.shared_k2_pad, p.shared_m_tiles, p.n2_tiles);
+  }
   // The tiles with rows first (GemmProblem::m_last), measured 2026-12-03 (bench/NOTES.md): deepseek_v3_ep8 T=1
   // 48.7 -> 45.9 us; on every grid it ranged 0.94-1.08 (kimi_k3_tp8 T=8 1.077), so it is kept to grids of mostly
   // empty tiles.

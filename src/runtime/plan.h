@@ -124,6 +124,9 @@ struct MoePlan {
   // few experts those the chunk's rows fill in expectation under uniform routing (the grid stays max_m_tiles; the
   // blocks of empty tiles exit at once).
   int64_t split_m_tiles = 0;
+  // The warp-specialised tile: n tiles a block runs one after the other (the producer loads the next one's first
+  // stages during the epilogue of the one before; 1 on every other tile). The bits do not depend on it.
+  int ws_sub1 = 1, ws_sub2 = 1, shared_ws_sub1 = 1, shared_ws_sub2 = 1;
   // The routed weights-as-A grids in (n tile, split, m tile) order, so that the blocks of the tiles with rows go
   // first: where the expected tiles are at most half of max_m_tiles (expert parallelism at decode).
   bool gemm_m_last = false;
@@ -221,6 +224,9 @@ constexpr int64_t kFewExperts = 16;
 constexpr int64_t kLoraThinI = 256, kLoraThinRows = 80;
 // The warp-specialised wgmma tile from this many expected rows an expert, on experts of I >= kWsMinI (make_plan).
 constexpr int64_t kWsRows = 80, kWsMinI = 384;
+// Its blocks run up to kWsMaxSub n tiles of their m tile in turn where K is at most kWsSubMaxK and the grid is at
+// least kWsSubWaves blocks an SM (MoePlan::ws_sub1).
+constexpr int64_t kWsMaxSub = 4, kWsSubMaxK = 1024, kWsSubWaves = 16;
 
 constexpr int kNumGemmConfigs = 6;
 inline constexpr GemmConfig kGemmConfigs[kNumGemmConfigs] = {

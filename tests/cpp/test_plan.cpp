@@ -157,6 +157,20 @@ void check_plan(const ProblemShape& s, std::mt19937_64& rng) {
               static_cast<size_t>(p.max_m_tiles * c.n_tiles * chunks * g.threads() * accs * 16));
     EXPECT_GE(p.split_counters.bytes, static_cast<size_t>(p.max_m_tiles * c.n_tiles * 4));
   }
+  // WS sub-tiles: only on the warp-specialised tile, short K and grids of many waves; never more n tiles than
+  // the grid has.
+  struct SubCase { int sub; int64_t k_pad, m_tiles, n_tiles; };
+  for (const SubCase& c : {SubCase{p.ws_sub1, p.k1_pad, p.max_m_tiles, p.n1_tiles},
+                           SubCase{p.ws_sub2, p.k2_pad, p.max_m_tiles, p.n2_tiles},
+                           SubCase{p.shared_ws_sub1, p.k1_pad, p.shared_m_tiles, p.shared_n1_tiles},
+                           SubCase{p.shared_ws_sub2, p.shared_k2_pad, p.shared_m_tiles, p.n2_tiles}}) {
+    EXPECT_GE(c.sub, 1);
+    if (c.sub == 1) continue;
+    EXPECT_TRUE(g.ws);
+    EXPECT_LE(c.sub, std::min(kWsMaxSub, c.n_tiles));
+    EXPECT_LE(c.k_pad, kWsSubMaxK);
+    EXPECT_GE(c.m_tiles * c.n_tiles, kWsSubWaves * s.device.sm_count);
+  }
   EXPECT_LE(g.threads(), 1024);
   EXPECT_LE(p.gemm_smem, 227u * 1024u);
   EXPECT_EQ(static_cast<int64_t>(p.gemm_smem), gemm_smem_bytes(g, s.format == WeightFormat::NVFP4));
@@ -354,6 +368,28 @@ TEST(Plan, OtherDevicesKeepTheInvariants) {
   s.device = DeviceDesc{};
   const MoePlan h200 = make_plan(s);
   EXPECT_LE(small.split1, h200.split1);
+}
+
+// The WS sub-tiles on the shapes measured (bench/NOTES.md): kimi_k3_tp8's GEMM2 (K = 384) at T = 4096 takes four n
+// tiles a block, its GEMM1 (K = 3584) one; mixtral_8x7b (K = 4096, 14336) one on both.
+TEST(Plan, WsSubTilesOnShortK) {
+  ProblemShape s;
+  s.T = 4096; s.H = 3584; s.I = 384; s.E_loc = s.E_total = 384; s.k = 8;
+  s.activation = ActivationType::Situ;
+  s.device.wgmma = true;
+  const MoePlan kimi = make_plan(s);
+  ASSERT_EQ(kimi.gemm_config, static_cast<int>(GemmTile::WgmmaWs128));
+  EXPECT_EQ(kimi.ws_sub1, 1);
+  EXPECT_EQ(kimi.ws_sub2, 4);
+  s.H = 4096; s.I = 14336; s.E_loc = s.E_total = 8; s.k = 2; s.activation = ActivationType::Swiglu;
+  const MoePlan mixtral = make_plan(s);
+  ASSERT_EQ(mixtral.gemm_config, static_cast<int>(GemmTile::WgmmaWs128));
+  EXPECT_EQ(mixtral.ws_sub1, 1);
+  EXPECT_EQ(mixtral.ws_sub2, 1);
+  s.device.wgmma = false;  // no WS tile, no sub-tiles
+  const MoePlan old = make_plan(s);
+  EXPECT_EQ(old.ws_sub1, 1);
+  EXPECT_EQ(old.ws_sub2, 1);
 }
 
 TEST(Plan, TileOrderIsAPermutationInBands) {

@@ -47,15 +47,8 @@ void launch_grouped(const GemmProblem& g, const typename Epi::Params& ep, int n_
   // A decode grid's m tiles are a bound: under expert parallelism most hold no rows. With the m tile slowest the
   // blocks that have work are the first dispatched, not spread among the empty ones.
   gl.m_last = g.m_last && Cfg::WEIGHTS_AS_A && !Cfg::WS && g.m_band <= 0 && m_tiles <= 65535 ? 1 : 0;
-  // A warp-specialised block runs several n tiles of its m tile where K is short (at most 1024: the fill and the
-  // epilogue are much of a tile) and the grid is many waves (measured 2026-12-06: kimi_k3_tp8 T=4096 0.93 with four,
-  // and with two a block deepseek_v3_ep8 T=4096 (K = 2048, 7168) 1.08, mixtral_8x7b T=1024 1.13).
-  if constexpr (Cfg::WS) {
-    int dev = 0;
-    check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
-    const bool sub = g.B.Kp <= 1024 && int64_t(m_tiles) * n_tiles >= 16 * int64_t(sm_count(dev));
-    gl.ws_sub = sub ? std::min(kWsMaxSub, n_tiles) : 1;
-  }
+  // A warp-specialised block runs g.ws_sub n tiles of its m tile (the plan's MoePlan::ws_sub1 ...).
+  gl.ws_sub = Cfg::WS ? g.ws_sub : 1;
   const int grid_n = (n_tiles + gl.ws_sub - 1) / gl.ws_sub;
   const dim3 grid = gl.m_last ? dim3(static_cast<unsigned>(grid_n), splits, static_cast<unsigned>(m_tiles))
                               : dim3(static_cast<unsigned>(m_tiles), static_cast<unsigned>(grid_n), splits);

@@ -2,7 +2,8 @@
 // tokens x BN weight rows (256 NVFP4, 128 bf16), one block an SM. A producer warpgroup issues every copy (weights
 // and scales by bulk copies, tokens by cp.async; WsRing); two math warpgroups, holding the registers the producer
 // gives up (setmaxnreg), only decode, multiply and hand stages back (WsWgmmaMath), then run the weights-as-A
-// epilogue. Block (x, y) = (m tile, g.ws_sub n tiles) in the band order (grid_tile), the n tiles one after the other.
+// epilogue. Block (x, y) = (m tile, g.ws_sub n tiles) in the band order (grid_tile), the n tiles one after the other
+// (one set of row lookups; the producer loads the next one's first stages during the epilogue of the one before).
 // Reads top to bottom: schedule, roles, the epilogue's lookups beside the first copies, then each n tile's mainloop
 // chunk by chunk and its epilogue group by group.
 //
@@ -22,10 +23,6 @@ namespace fp4moe::cuda_backend {
 
 // The registers a thread of each role keeps (setmaxnreg): 128 * kWsProducerRegs + THREADS * kWsMathRegs <= 64 K.
 constexpr int kWsProducerRegs = 56, kWsMathRegs = 224;
-// A block runs g.ws_sub n tiles of its m tile one after the other (one set of row lookups): the producer loads the
-// next one's first stages while the math warps run the epilogue of the one before. The launch picks it
-// (ws_sub_tiles): on short K the fill and the epilogue are much of a tile.
-constexpr int kWsMaxSub = 4;
 
 template <class Cfg, class Epi, class Act>
 __global__ void __launch_bounds__(Cfg::BLOCK_THREADS, 1) ws_wgmma_gemm_kernel(GemmProblem g, typename Epi::Params ep) {
