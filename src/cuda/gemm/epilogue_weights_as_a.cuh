@@ -29,12 +29,11 @@ template <class Cfg, class Epi, class Act> struct WeightsAsAEpilogue {
   const typename Epi::RowPre* row_pre;  // [BM], Epi::row_pre of each tile row
   int n0, N, gq, t;
   typename Epi::ExpertCtx x;
-  // The warp-specialised tile has registers to spare in its epilogue (the other tiles spilled with the two uses):
-  // it keeps its column constants and reads the next group's sums ahead.
+  // The warp-specialised tile has registers to spare in its epilogue (the other tiles spilled with these uses): it
+  // keeps its lanes' column constants (cp, else made a group at a time), reads the next group's sums ahead, and
+  // without LoRA reads a pair's values from shared memory (pairs_from_shared).
   static constexpr bool kSpareRegs = Cfg::WS;
-  // This lane's column pairs n0 + (gq & ~1) + 16r + 8h, the same for every group (else made a group at a time).
-  static constexpr bool kKeepCols = kSpareRegs;
-  typename Epi::ColPre cp[kKeepCols ? RG : 1][2];
+  typename Epi::ColPre cp[kSpareRegs ? RG : 1][2];  // column pairs n0 + (gq & ~1) + 16r + 8h, the same every group
   int cached_slot = -1, crk = 0;  // warp-uniform: the slot whose B (rank crk, this expert) the fragments hold
   const uint16_t* cB = nullptr;
   uint32_t bfrag0[RG][4];         // its first k16 step's A operand (B rows n0 + 16r + g, + 8)
@@ -66,7 +65,7 @@ template <class Cfg, class Epi, class Act> struct WeightsAsAEpilogue {
     t = lane & 3;
     x = Epi::template expert_ctx<Act>(ep, tr.expert);
     N = Epi::cols(ep);
-    if constexpr (kKeepCols) col_pres(cp);
+    if constexpr (kSpareRegs) col_pres(cp);
   }
   __device__ __forceinline__ void col_pres(typename Epi::ColPre (&c)[RG][2]) const {
 #pragma unroll
@@ -167,8 +166,10 @@ template <class Cfg, class Epi, class Act> struct WeightsAsAEpilogue {
     }
   }
 
+  // GEMM1 quantizes a for GEMM2 in this epilogue (epilogue_a4.cuh: gated, two row groups a warp); block-uniform.
+  static constexpr bool kA4Fusable = std::is_same_v<Epi, Epilogue1> && kGatedAct<Act> && RG == 2;
   __device__ __forceinline__ bool a4_fused() const {
-    if constexpr (std::is_same_v<Epi, Epilogue1> && kGatedAct<Act> && RG == 2) return ep.a_quant_gs > 0.f;
+    if constexpr (kA4Fusable) return ep.a_quant_gs > 0.f;
     return false;
   }
 
@@ -191,23 +192,16 @@ template <class Cfg, class Epi, class Act> struct WeightsAsAEpilogue {
     const int col0 = n0 + (gq & ~1);
 #pragma unroll 1
     for (int i = 0; i < groups; ++i) {
-      float c[RG][2][2];  // [r][h][row 2m, 2m + 1] of token 2t + tk
+      float c[RG][4];  // [r][2h + (row 2m, 2m + 1)] of token 2t + tk
 #pragma unroll
       for (int r = 0; r < RG; ++r) {
-        c[r][0][0] = tk ? ne[r].y : ne[r].x;
-        c[r][1][0] = tk ? ne[r].w : ne[r].z;
-        c[r][0][1] = tk ? no[r].y : no[r].x;
-        c[r][1][1] = tk ? no[r].w : no[r].z;
+        c[r][0] = tk ? ne[r].y : ne[r].x;
+        c[r][1] = tk ? no[r].y : no[r].x;
+        c[r][2] = tk ? ne[r].w : ne[r].z;
+        c[r][3] = tk ? no[r].w : no[r].z;
       }
       read(min(i + 1, groups - 1));
-      if constexpr (Cfg::FP4) {
-#pragma unroll
-        for (int r = 0; r < RG; ++r)
-#pragma unroll
-          for (int h = 0; h < 2; ++h)
-#pragma unroll
-            for (int q = 0; q < 2; ++q) c[r][h][q] *= nvfp4_prepared::kProductScale;  // as unscale_products
-      }
+      if constexpr (Cfg::FP4) unscale_products(c);
       const int row = tr.row0 + i * 8 + 2 * t + tk;
       if (row >= tr.row_end) continue;
       const auto rc = Epi::row_ctx(ep, x, row, row_pre[row - tr.row0]);
@@ -215,7 +209,7 @@ template <class Cfg, class Epi, class Act> struct WeightsAsAEpilogue {
       for (int r = 0; r < RG; ++r)
 #pragma unroll
         for (int h = 0; h < 2; ++h)
-          Epi::template pair<Act>(ep, x, rc, cp[r][h], col0 + 16 * r + 8 * h, c[r][h][0], c[r][h][1], 0.f, 0.f);
+          Epi::template pair<Act>(ep, x, rc, cp[r][h], col0 + 16 * r + 8 * h, c[r][2 * h], c[r][2 * h + 1], 0.f, 0.f);
     }
   }
 
@@ -230,14 +224,14 @@ template <class Cfg, class Epi, class Act> struct WeightsAsAEpilogue {
     const bool lora = ep.lora.table != nullptr;  // block-uniform
     if (lora) lora_deltas(i, dl);
     typename Epi::ColPre cg[RG][2];
-    if constexpr (kKeepCols) {
+    if constexpr (kSpareRegs) {
 #pragma unroll
       for (int r = 0; r < RG; ++r) cg[r][0] = cp[r][0], cg[r][1] = cp[r][1];
     } else {
       col_pres(cg);
     }
-    if constexpr (std::is_same_v<Epi, Epilogue1> && kGatedAct<Act> && RG == 2) {
-      if (ep.a_quant_gs > 0.f) {  // A4 fused (block-uniform)
+    if constexpr (kA4Fusable) {
+      if (a4_fused()) {
         float nb[RG][4], dn[RG][4];
 #pragma unroll
         for (int r = 0; r < RG; ++r)
