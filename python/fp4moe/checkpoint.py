@@ -79,7 +79,7 @@ class MoeLayer:
     shared_expert_gate: Optional[np.ndarray] = None
     # device -> the router's (weight, bias) in fp32; ("routing_bias", *device) -> the routing bias there;
     # "gate:<device>" -> the shared expert's gate there
-    _router_fp32: dict = field(default_factory=dict, repr=False, compare=False)
+    _device_copies: dict = field(default_factory=dict, repr=False, compare=False)
 
     def router_logits(self, hidden):
         """The router logits [T, E] float32 of hidden states [T, H], as the model's router computes them:
@@ -103,9 +103,9 @@ class MoeLayer:
 
     def _once(self, key, make):
         """The cached value under key, made by make() on first use: each host array is copied to a device once."""
-        if key not in self._router_fp32:
-            self._router_fp32[key] = make()
-        return self._router_fp32[key]
+        if key not in self._device_copies:
+            self._device_copies[key] = make()
+        return self._device_copies[key]
 
     def _routing_bias(self):
         """e_score_correction_bias as float32 on the weights' device, where the operator reads it (a torch CUDA

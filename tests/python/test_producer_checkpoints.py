@@ -114,7 +114,7 @@ def test_moe_kwargs_give_the_routing_bias_on_the_weights_device(monkeypatch):
     assert isinstance(layer.moe_kwargs()["routing_bias"], np.ndarray)  # on the host for host weights
 
     on_gpu = dataclasses.replace(layer, weights=types.SimpleNamespace(_device=("cuda", 1), device="cuda:1"),
-                                 _router_fp32={})
+                                 _device_copies={})
     monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(from_numpy=_DeviceCopy))
     got = on_gpu.moe_kwargs(mode="a16")["routing_bias"]
     assert isinstance(got, _DeviceCopy) and got.device == "cuda:1"
@@ -123,4 +123,4 @@ def test_moe_kwargs_give_the_routing_bias_on_the_weights_device(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "torch", None)  # no PyTorch: say so, naming the argument
     with pytest.raises(fp4moe.Fp4MoeError, match="routing_bias"):
-        dataclasses.replace(on_gpu, _router_fp32={}).moe_kwargs(mode="a16")
+        dataclasses.replace(on_gpu, _device_copies={}).moe_kwargs(mode="a16")
