@@ -40,7 +40,6 @@ FP4MOE_HD float tanh_(float v) { return tanhf(v); }
 FP4MOE_HD double tanh_(double v) { return ::tanh(v); }
 
 template <class T> FP4MOE_HD T sigmoid(T v) { return T(1) / (T(1) + exp_(-v)); }
-template <class T> FP4MOE_HD T silu(T v) { return v * sigmoid(v); }
 template <class T> FP4MOE_HD T gelu_erf(T v) { return T(0.5) * v * (T(1) + erf_(v * T(0.70710678118654752440))); }
 template <class T> FP4MOE_HD T gelu_tanh(T v) {
   return T(0.5) * v * (T(1) + tanh_(T(0.79788456080286535588) * (v + T(0.044715) * v * v * v)));
@@ -50,28 +49,6 @@ template <class T> FP4MOE_HD T min_(T a, T b) { return (a < b || a != a) ? a : b
 template <class T> FP4MOE_HD T max_(T a, T b) { return (a > b || a != a) ? a : b; }
 template <class T> FP4MOE_HD T clampv(T v, T lo, T hi) { return min_(max_(v, lo), hi); }
 
-struct Gelu { template <class T> FP4MOE_HD static T apply(T h, T, const Params&) { return gelu_erf(h); } };
-struct Relu { template <class T> FP4MOE_HD static T apply(T h, T, const Params&) { return max_(h, T(0)); } };
-struct Silu { template <class T> FP4MOE_HD static T apply(T h, T, const Params&) { return silu(h); } };
-struct Relu2 {
-  template <class T> FP4MOE_HD static T apply(T h, T, const Params&) { T r = max_(h, T(0)); return r * r; }
-};
-struct Identity { template <class T> FP4MOE_HD static T apply(T h, T, const Params&) { return h; } };
-// Swiglu and SwigluBias: g*sigmoid(alpha g)*(u+beta), clamped first when a limit is set.
-struct Swiglu {
-  template <class T> FP4MOE_HD static T apply(T g, T u, const Params& p) {
-    if (p.has_limit) { g = min_(g, T(p.limit)); u = clampv(u, T(-p.limit), T(p.limit)); }
-    return g * sigmoid(T(p.alpha) * g) * (u + T(p.beta));
-  }
-};
-struct Geglu { template <class T> FP4MOE_HD static T apply(T g, T u, const Params&) { return gelu_erf(g) * u; } };
-struct GegluTanh { template <class T> FP4MOE_HD static T apply(T g, T u, const Params&) { return gelu_tanh(g) * u; } };
-struct SwigluStep {
-  template <class T> FP4MOE_HD static T apply(T g, T u, const Params& p) {
-    T L = T(p.limit);
-    return min_(silu(g), L) * clampv(u, -L, L);
-  }
-};
 // SiTU's float math without branches. In the GEMM1 epilogue the library tanhf / expf / IEEE division each
 // branch (range cases, the division's slow path), so the compiler runs a thread's activations one after the
 // other; SiTU (two tanh, three divisions) then cost 3.6-4.2 % of kimi_k3_tp8 at T = 64 and 1024 over SwiGLU on
@@ -145,6 +122,29 @@ FP4MOE_HD float exp_ieee(float v) {
 // sigmoid(v) = 1 / (1 + e^-v) with exp_ieee and IEEE division: the same bits on the host and the device.
 FP4MOE_HD float sigmoid_ieee(float v) { return div_rn(1.f, add_rn(1.f, exp_ieee(-v))); }
 
+struct Gelu { template <class T> FP4MOE_HD static T apply(T h, T, const Params&) { return gelu_erf(h); } };
+struct Relu { template <class T> FP4MOE_HD static T apply(T h, T, const Params&) { return max_(h, T(0)); } };
+struct Silu { template <class T> FP4MOE_HD static T apply(T h, T, const Params&) { return h * sigmoid_fast(h); } };
+struct Relu2 {
+  template <class T> FP4MOE_HD static T apply(T h, T, const Params&) { T r = max_(h, T(0)); return r * r; }
+};
+struct Identity { template <class T> FP4MOE_HD static T apply(T h, T, const Params&) { return h; } };
+// Swiglu and SwigluBias: g*sigmoid(alpha g)*(u+beta), clamped first when a limit is set. The sigmoids of Silu,
+// Swiglu and SwigluStep take the branch-free float form (as SiTU, above): the same values on the host.
+struct Swiglu {
+  template <class T> FP4MOE_HD static T apply(T g, T u, const Params& p) {
+    if (p.has_limit) { g = min_(g, T(p.limit)); u = clampv(u, T(-p.limit), T(p.limit)); }
+    return g * sigmoid_fast(T(p.alpha) * g) * (u + T(p.beta));
+  }
+};
+struct Geglu { template <class T> FP4MOE_HD static T apply(T g, T u, const Params&) { return gelu_erf(g) * u; } };
+struct GegluTanh { template <class T> FP4MOE_HD static T apply(T g, T u, const Params&) { return gelu_tanh(g) * u; } };
+struct SwigluStep {
+  template <class T> FP4MOE_HD static T apply(T g, T u, const Params& p) {
+    T L = T(p.limit);
+    return min_(g * sigmoid_fast(g), L) * clampv(u, -L, L);
+  }
+};
 // SiTU (Kimi-K3): [alpha tanh(g/alpha) sigmoid(g)] * [beta tanh(u/beta)], optional clamp as Swiglu.
 struct Situ {
   template <class T> FP4MOE_HD static T apply(T g, T u, const Params& p) {
