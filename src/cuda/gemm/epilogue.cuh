@@ -119,34 +119,64 @@ struct Epilogue1 {
     p.out[static_cast<int64_t>(rc.r) * p.I + j] = out;
     if (p.act_out) p.act_out[static_cast<int64_t>(rc.entry) * p.I + j] = a;
   }
+  // A non-gated activation's a at columns col, col + 1 (bf16, the even one in the low half).
+  template <class Act>
+  __device__ __forceinline__ static uint32_t plain_pair(const Params& p, const ExpertCtx& x, const RowCtx& rc,
+                                                        const ColPre& cp, int col, float c0, float c1, float l0,
+                                                        float l1) {
+    float h0 = __fadd_rn(__fmul_rn(c0, rc.a_even), cp.b0);
+    float h1 = __fadd_rn(__fmul_rn(c1, rc.a_odd), cp.b1);
+    float d0 = 0.f, d1 = 0.f;
+    if (p.delta) {
+      const uint16_t* d = p.delta + static_cast<int64_t>(rc.entry) * p.N1;
+      d0 = dev::bf16_to_f32(d[col]);
+      d1 = dev::bf16_to_f32(d[col + 1]);
+    }
+    h0 = __fadd_rn(h0, d0);
+    h1 = __fadd_rn(h1, d1);
+    h0 = __fadd_rn(h0, l0);
+    h1 = __fadd_rn(h1, l1);
+    return static_cast<uint32_t>(dev::f32_to_bf16(Act::apply(h0, 0.f, x.prm))) |
+           (static_cast<uint32_t>(dev::f32_to_bf16(Act::apply(h1, 0.f, x.prm))) << 16);
+  }
+  __device__ __forceinline__ static void store_act_out(const Params& p, const RowCtx& rc, int j, uint32_t a) {
+    if (p.act_out) {  // the caller's tensor may be only 2-byte aligned
+      p.act_out[static_cast<int64_t>(rc.entry) * p.I + j] = static_cast<uint16_t>(a & 0xffffu);
+      p.act_out[static_cast<int64_t>(rc.entry) * p.I + j + 1] = static_cast<uint16_t>(a >> 16);
+    }
+  }
   template <class Act>
   __device__ __forceinline__ static void pair(const Params& p, const ExpertCtx& x, const RowCtx& rc, const ColPre& cp,
                                               int col, float c0, float c1, float l0, float l1) {
     if (!cp.in) return;
-    const int r = rc.r, entry = rc.entry;
     if constexpr (kGatedAct<Act>) {
       const uint16_t a = dev::f32_to_bf16(gated_value<Act>(p, x, rc, cp, col, c0, c1, l0, l1));
       store_gated(p, rc, col >> 1, a, a);
     } else {
-      float h0 = __fadd_rn(__fmul_rn(c0, rc.a_even), cp.b0);
-      float h1 = __fadd_rn(__fmul_rn(c1, rc.a_odd), cp.b1);
-      float d0 = 0.f, d1 = 0.f;
-      if (p.delta) {
-        const uint16_t* d = p.delta + static_cast<int64_t>(entry) * p.N1;
-        d0 = dev::bf16_to_f32(d[col]);
-        d1 = dev::bf16_to_f32(d[col + 1]);
-      }
-      h0 = __fadd_rn(h0, d0);
-      h1 = __fadd_rn(h1, d1);
-      h0 = __fadd_rn(h0, l0);
-      h1 = __fadd_rn(h1, l1);
-      const uint32_t a = static_cast<uint32_t>(dev::f32_to_bf16(Act::apply(h0, 0.f, x.prm))) |
-                         (static_cast<uint32_t>(dev::f32_to_bf16(Act::apply(h1, 0.f, x.prm))) << 16);
-      *reinterpret_cast<uint32_t*>(p.out + static_cast<int64_t>(r) * p.I + col) = a;
-      if (p.act_out) {  // the caller's tensor may be only 2-byte aligned
-        p.act_out[static_cast<int64_t>(entry) * p.I + col] = static_cast<uint16_t>(a & 0xffffu);
-        p.act_out[static_cast<int64_t>(entry) * p.I + col + 1] = static_cast<uint16_t>(a >> 16);
-      }
+      const uint32_t a = plain_pair<Act>(p, x, rc, cp, col, c0, c1, l0, l1);
+      *reinterpret_cast<uint32_t*>(p.out + static_cast<int64_t>(rc.r) * p.I + col) = a;
+      store_act_out(p, rc, col, a);
+    }
+  }
+  // Four adjacent columns col ... col + 3 (col % 4 == 0; N1 % 4 == 0, so a quad is wholly in range or out) without
+  // LoRA deltas, cp the column constants of its two pairs: the pair arithmetic, one store of a.
+  template <class Act>
+  __device__ __forceinline__ static void quad(const Params& p, const ExpertCtx& x, const RowCtx& rc,
+                                              const ColPre (&cp)[2], int col, const float (&c)[4]) {
+    if (!cp[0].in) return;
+    if constexpr (kGatedAct<Act>) {
+      const uint32_t a = static_cast<uint32_t>(dev::f32_to_bf16(gated_value<Act>(p, x, rc, cp[0], col, c[0], c[1],
+                                                                                  0.f, 0.f))) |
+                         (static_cast<uint32_t>(dev::f32_to_bf16(gated_value<Act>(p, x, rc, cp[1], col + 2, c[2],
+                                                                                  c[3], 0.f, 0.f))) << 16);
+      *reinterpret_cast<uint32_t*>(p.out + static_cast<int64_t>(rc.r) * p.I + (col >> 1)) = a;  // col / 2 even
+      store_act_out(p, rc, col >> 1, a);
+    } else {
+      const uint32_t a0 = plain_pair<Act>(p, x, rc, cp[0], col, c[0], c[1], 0.f, 0.f);
+      const uint32_t a1 = plain_pair<Act>(p, x, rc, cp[1], col + 2, c[2], c[3], 0.f, 0.f);
+      *reinterpret_cast<uint2*>(p.out + static_cast<int64_t>(rc.r) * p.I + col) = make_uint2(a0, a1);
+      store_act_out(p, rc, col, a0);
+      store_act_out(p, rc, col + 2, a1);
     }
   }
 };
@@ -189,6 +219,17 @@ struct Epilogue2 {
     const float o1 = __fadd_rn(__fmul_rn(c1, x.s), cp.b1);
     // The down LoRA delta, always added (+0 for base rows, which turns -0 into +0 as the reference).
     *reinterpret_cast<float2*>(rc.orow + col) = make_float2(__fadd_rn(o0, l0), __fadd_rn(o1, l1));
+  }
+  // Four adjacent columns (col % 4 == 0, H % 4 == 0) without LoRA deltas: one 16-byte store.
+  template <class Act>
+  __device__ __forceinline__ static void quad(const Params&, const ExpertCtx& x, const RowCtx& rc,
+                                              const ColPre (&cp)[2], int col, const float (&c)[4]) {
+    if (!cp[0].in) return;
+    const float b[4] = {cp[0].b0, cp[0].b1, cp[1].b0, cp[1].b1};
+    float o[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) o[q] = __fadd_rn(__fadd_rn(__fmul_rn(c[q], x.s), b[q]), 0.f);
+    *reinterpret_cast<float4*>(rc.orow + col) = make_float4(o[0], o[1], o[2], o[3]);
   }
 };
 

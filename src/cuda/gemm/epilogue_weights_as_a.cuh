@@ -31,7 +31,7 @@ template <class Cfg, class Epi, class Act> struct WeightsAsAEpilogue {
   typename Epi::ExpertCtx x;
   // The warp-specialised tile has registers to spare in its epilogue (the other tiles spilled with these uses): it
   // keeps its lanes' column constants (cp, else made a group at a time), reads the next group's sums ahead, and
-  // without LoRA reads a pair's values from shared memory (pairs_from_shared).
+  // without LoRA or A4 fusion takes the token-major form (quads_from_shared).
   static constexpr bool kSpareRegs = Cfg::WS;
   typename Epi::ColPre cp[kSpareRegs ? RG : 1][2];  // column pairs n0 + (gq & ~1) + 16r + 8h, the same every group
   int cached_slot = -1, crk = 0;  // warp-uniform: the slot whose B (rank crk, this expert) the fragments hold
@@ -143,9 +143,6 @@ template <class Cfg, class Epi, class Act> struct WeightsAsAEpilogue {
   // most of a wgmma kernel's code (bench/NOTES.md, Version 11).
   // With kSpareRegs the next group's sums are read before this group's stores (the compiler keeps loads after them).
   __device__ __forceinline__ void groups_from_shared(const float4* sums, int groups) {
-    if constexpr (kSpareRegs) {
-      if (!ep.lora.table && !a4_fused()) return pairs_from_shared(sums, groups);  // block-uniform
-    }
     float4 next[RG];
     auto read = [&](int i) {
 #pragma unroll
@@ -173,43 +170,79 @@ template <class Cfg, class Epi, class Act> struct WeightsAsAEpilogue {
     return false;
   }
 
-  // The groups without LoRA deltas: each lane reads the sums of its pair's even and odd lane (thread & ~4, | 4) and
-  // takes its token's values of both rows, not through shuffles (an exchange in every group's chain). Whole float4s:
-  // the two lanes of a pair read the same ones (4 wavefronts a row group; a float each took 16).
-  __device__ __forceinline__ void pairs_from_shared(const float4* sums, int groups) {
-    const int tk = gq & 1, lane_bit = static_cast<int>(threadIdx.x) & 4;
-    const float4* even = sums - lane_bit;
-    const float4* odd = sums + 4 - lane_bit;
-    float4 ne[RG], no[RG];
-    auto read = [&](int i) {
-#pragma unroll
-      for (int r = 0; r < RG; ++r) {
-        ne[r] = even[(i * RG + r) * Cfg::THREADS];
-        no[r] = odd[(i * RG + r) * Cfg::THREADS];
-      }
-    };
-    read(0);
-    const int col0 = n0 + (gq & ~1);
-#pragma unroll 1
-    for (int i = 0; i < groups; ++i) {
-      float c[RG][4];  // [r][2h + (row 2m, 2m + 1)] of token 2t + tk
-#pragma unroll
-      for (int r = 0; r < RG; ++r) {
-        c[r][0] = tk ? ne[r].y : ne[r].x;
-        c[r][1] = tk ? no[r].y : no[r].x;
-        c[r][2] = tk ? ne[r].w : ne[r].z;
-        c[r][3] = tk ? no[r].w : no[r].z;
-      }
-      read(min(i + 1, groups - 1));
-      if constexpr (Cfg::FP4) unscale_products(c);
-      const int row = tr.row0 + i * 8 + 2 * t + tk;
-      if (row >= tr.row_end) continue;
-      const auto rc = Epi::row_ctx(ep, x, row, row_pre[row - tr.row0]);
+  // The token-major form of the WS tile (no LoRA deltas, no A4 fusion; block-uniform). The last chunk's sums go
+  // token-major into the warp's own float4 slots of each (group i, row group r): 8 token rows of 16 columns, the
+  // rows rotated by r and the halves of odd row pairs swapped (the writes 2-way, the reads free of bank conflicts).
+  // Each lane then stores four adjacent columns of a token: a warp's store covers 8 / RG tokens' 16 * RG columns.
+  __device__ __forceinline__ static bool token_major(const typename Epi::Params& ep) {
+    if constexpr (kSpareRegs) {
+      if constexpr (kA4Fusable) return !ep.lora.table && !(ep.a_quant_gs > 0.f);
+      return !ep.lora.table;
+    }
+    return false;
+  }
+  // Float index in the sums of warp w's (group i, row group r, token j of the group, column c of the row group).
+  __device__ __forceinline__ static int tm_at(int i, int r, int w, int j, int c) {
+    const int row = (j + r) & 7;
+    return ((i * RG + r) * Cfg::THREADS + w * 32) * 4 + row * 16 + (c ^ (((row >> 1) & 1) << 3));
+  }
+  // The last chunk: part += the running sums (the order of add_chunk_shared), then written token-major.
+  template <int GROUPS>
+  __device__ __forceinline__ static void store_token_major(float* base, float (&part)[RG][GROUPS][4], bool first) {
+    const int w = static_cast<int>(threadIdx.x) >> 5, lane = static_cast<int>(threadIdx.x) & 31;
+    const int g = lane >> 2, t = lane & 3;
+    if (!first) {
+      const float4* own = reinterpret_cast<const float4*>(base) + threadIdx.x;
 #pragma unroll
       for (int r = 0; r < RG; ++r)
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
-          Epi::template pair<Act>(ep, x, rc, cp[r][h], col0 + 16 * r + 8 * h, c[r][2 * h], c[r][2 * h + 1], 0.f, 0.f);
+        for (int i = 0; i < GROUPS; ++i) {
+          const float4 v = own[(i * RG + r) * Cfg::THREADS];
+          part[r][i][0] = __fadd_rn(v.x, part[r][i][0]);
+          part[r][i][1] = __fadd_rn(v.y, part[r][i][1]);
+          part[r][i][2] = __fadd_rn(v.z, part[r][i][2]);
+          part[r][i][3] = __fadd_rn(v.w, part[r][i][3]);
+        }
+    }
+    __syncwarp();  // every lane has read its slots before the warp writes over them
+#pragma unroll
+    for (int r = 0; r < RG; ++r)
+#pragma unroll
+      for (int i = 0; i < GROUPS; ++i)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) base[tm_at(i, r, w, 2 * t + (q & 1), g + 8 * (q >> 1))] = part[r][i][q];
+    __syncwarp();
+  }
+  // The groups from the token-major sums: the warp's 16 * RG columns of a token are 4 * RG lanes' four columns
+  // each (lane l: columns n0 + 4 * (l % (4 * RG)) ... + 3), so a group is RG steps of 8 / RG tokens.
+  __device__ __forceinline__ void quads_from_shared(const float* base, int groups) {
+    constexpr int kLanesPerToken = 4 * RG, kSteps = RG;
+    const int lane = static_cast<int>(threadIdx.x) & 31, w = static_cast<int>(threadIdx.x) >> 5;
+    const int q = lane % kLanesPerToken, r = q >> 2, c = 4 * (q & 3), col = n0 + 16 * r + c;
+    const int j0 = lane / kLanesPerToken;  // the lane's token of each step: j0 + step * (8 / RG)
+    const typename Epi::ColPre cq[2] = {Epi::col_pre(ep, x, col), Epi::col_pre(ep, x, col + 2)};
+    float4 v[kSteps];
+    auto read = [&](int i) {
+#pragma unroll
+      for (int h = 0; h < kSteps; ++h)
+        v[h] = *reinterpret_cast<const float4*>(base + tm_at(i, r, w, j0 + h * (8 / RG), c));
+    };
+    read(0);
+#pragma unroll 1
+    for (int i = 0; i < groups; ++i) {
+      float o[kSteps][4];
+#pragma unroll
+      for (int h = 0; h < kSteps; ++h) o[h][0] = v[h].x, o[h][1] = v[h].y, o[h][2] = v[h].z, o[h][3] = v[h].w;
+      read(min(i + 1, groups - 1));
+      if constexpr (Cfg::FP4) unscale_products(o);
+#pragma unroll
+      for (int h = 0; h < kSteps; ++h) {
+        const int row = tr.row0 + i * 8 + j0 + h * (8 / RG);
+        if (row < tr.row_end) {
+          const auto rc = Epi::row_ctx(ep, x, row, row_pre[row - tr.row0]);
+          Epi::template quad<Act>(ep, x, rc, cq, col, o[h]);
+        }
+      }
     }
   }
 

@@ -9,6 +9,8 @@
 //
 // Bits: the canonical K order (k_order.cuh) as every tile: a chunk's chain of k16 steps from zero in registers,
 // chunk sums added in chunk order in shared memory (a float4 a thread and accumulator, after the stages). No split-K.
+// Without LoRA or A4 fusion the last chunk's sums are written token-major instead (store_token_major), so that the
+// epilogue stores whole lines: four adjacent columns a lane.
 #pragma once
 #include <cstdint>
 
@@ -56,7 +58,9 @@ __global__ void __launch_bounds__(Cfg::BLOCK_THREADS, 1) ws_wgmma_gemm_kernel(Ge
   const typename Epilogue::Rows rows = Epilogue::lookup_rows(g, ep, tr, nb);  // while the first stages load
 
   // The chunk sums after the stages: accumulator (token group i, row group r) at [i * RG + r][thread].
-  float4* sums = reinterpret_cast<float4*>(smem + Cfg::STAGES * Cfg::STAGE_BYTES) + threadIdx.x;
+  float* const sums_base = reinterpret_cast<float*>(smem + Cfg::STAGES * Cfg::STAGE_BYTES);
+  float4* sums = reinterpret_cast<float4*>(sums_base) + threadIdx.x;
+  const bool tm = Epilogue::token_major(ep);  // the last chunk's sums token-major (block-uniform)
   Math math(ring);
   for (int u = 0; u < subs; ++u) {
     const int n0 = nb + u * Cfg::BN;
@@ -69,14 +73,19 @@ __global__ void __launch_bounds__(Cfg::BLOCK_THREADS, 1) ws_wgmma_gemm_kernel(Ge
 #pragma unroll
           for (int q = 0; q < 4; ++q) part[r][i][q] = 0.f;
       math.chunk(part, smem, ring, kc, min(kc + kChunkBlocks, KB));
+      if (tm && kc + kChunkBlocks >= KB) {
+        Epilogue::store_token_major(sums_base, part, kc == 0);
+      } else {
 #pragma unroll
-      for (int r = 0; r < RG; ++r) add_chunk_shared<RG * Cfg::THREADS>(sums + r * Cfg::THREADS, part[r], kc == 0);
+        for (int r = 0; r < RG; ++r) add_chunk_shared<RG * Cfg::THREADS>(sums + r * Cfg::THREADS, part[r], kc == 0);
+      }
     }
 
     Epilogue epi(ep, tr, n0 + (static_cast<int>(threadIdx.x) >> 5) * 16 * RG, rows);
     if (u == 0) dev::named_sync<Cfg::THREADS>();  // the row lookups
-    epi.groups_from_shared(sums, (tr.row_end - tr.row0 + 7) >> 3);
-    __syncwarp();  // the pair's lanes have read each other's sums before the next tile's first chunk overwrites them
+    if (tm) epi.quads_from_shared(sums_base, (tr.row_end - tr.row0 + 7) >> 3);
+    else epi.groups_from_shared(sums, (tr.row_end - tr.row0 + 7) >> 3);
+    __syncwarp();  // the warp's lanes have read each other's sums before the next tile's first chunk overwrites them
   }
 #else
   (void)g, (void)ep;
