@@ -96,21 +96,27 @@ struct Epilogue1 {
   __device__ __forceinline__ static float gated_value(const Params& p, const ExpertCtx& x, const RowCtx& rc,
                                                       const ColPre& cp, int col, float c0, float c1, float l0,
                                                       float l1) {
-    float h0 = __fadd_rn(__fmul_rn(c0, rc.a_even), cp.b0);
-    float h1 = __fadd_rn(__fmul_rn(c1, rc.a_odd), cp.b1);
     const int j = col >> 1;
-    float dg = 0.f, du = 0.f;
+    float h0, h1;
+    pre_act(p, rc, cp, p.gate_first ? j : p.I + j, p.gate_first ? p.I + j : j, c0, c1, l0, l1, h0, h1);
+    return Act::apply(h0, h1, x.prm);
+  }
+  // A pair's activation inputs: scaled sums, bias, the bridge delta (its row's columns d0, d1), the LoRA delta
+  // (always added: +0 for base rows), in that order.
+  __device__ __forceinline__ static void pre_act(const Params& p, const RowCtx& rc, const ColPre& cp, int d0, int d1,
+                                                 float c0, float c1, float l0, float l1, float& h0, float& h1) {
+    h0 = __fadd_rn(__fmul_rn(c0, rc.a_even), cp.b0);
+    h1 = __fadd_rn(__fmul_rn(c1, rc.a_odd), cp.b1);
+    float e0 = 0.f, e1 = 0.f;
     if (p.delta) {
       const uint16_t* d = p.delta + static_cast<int64_t>(rc.entry) * p.N1;
-      dg = dev::bf16_to_f32(d[p.gate_first ? j : p.I + j]);
-      du = dev::bf16_to_f32(d[p.gate_first ? p.I + j : j]);
+      e0 = dev::bf16_to_f32(d[d0]);
+      e1 = dev::bf16_to_f32(d[d1]);
     }
-    h0 = __fadd_rn(h0, dg);
-    h1 = __fadd_rn(h1, du);
-    // The LoRA delta, always added (+0 for base rows).
+    h0 = __fadd_rn(h0, e0);
+    h1 = __fadd_rn(h1, e1);
     h0 = __fadd_rn(h0, l0);
     h1 = __fadd_rn(h1, l1);
-    return Act::apply(h0, h1, x.prm);
   }
   // Stores a gated a at column j: out (GEMM2's input: a, or its NVFP4 values when GEMM1 quantizes) and the bridge
   // act_out (a).
@@ -124,18 +130,8 @@ struct Epilogue1 {
   __device__ __forceinline__ static uint32_t plain_pair(const Params& p, const ExpertCtx& x, const RowCtx& rc,
                                                         const ColPre& cp, int col, float c0, float c1, float l0,
                                                         float l1) {
-    float h0 = __fadd_rn(__fmul_rn(c0, rc.a_even), cp.b0);
-    float h1 = __fadd_rn(__fmul_rn(c1, rc.a_odd), cp.b1);
-    float d0 = 0.f, d1 = 0.f;
-    if (p.delta) {
-      const uint16_t* d = p.delta + static_cast<int64_t>(rc.entry) * p.N1;
-      d0 = dev::bf16_to_f32(d[col]);
-      d1 = dev::bf16_to_f32(d[col + 1]);
-    }
-    h0 = __fadd_rn(h0, d0);
-    h1 = __fadd_rn(h1, d1);
-    h0 = __fadd_rn(h0, l0);
-    h1 = __fadd_rn(h1, l1);
+    float h0, h1;
+    pre_act(p, rc, cp, col, col + 1, c0, c1, l0, l1, h0, h1);
     return static_cast<uint32_t>(dev::f32_to_bf16(Act::apply(h0, 0.f, x.prm))) |
            (static_cast<uint32_t>(dev::f32_to_bf16(Act::apply(h1, 0.f, x.prm))) << 16);
   }
