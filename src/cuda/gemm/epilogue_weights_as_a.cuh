@@ -29,9 +29,9 @@ template <class Cfg, class Epi, class Act> struct WeightsAsAEpilogue {
   const typename Epi::RowPre* row_pre;  // [BM], Epi::row_pre of each tile row
   int n0, N, gq, t;
   typename Epi::ExpertCtx x;
-  // The warp-specialised tile has registers to spare in its epilogue (the other tiles spilled with these uses): it
-  // keeps its lanes' column constants (cp, else made a group at a time), reads the next group's sums ahead, and
-  // without LoRA or A4 fusion takes the token-major form (quads_from_shared).
+  // The warp-specialised tile has registers to spare in its epilogue (the other tiles spilled with these uses): in
+  // groups_from_shared it keeps its lanes' column constants (cp, else made a group at a time) and reads the next
+  // group's sums ahead; without LoRA or A4 fusion it takes the token-major form (quads_from_shared) instead.
   static constexpr bool kSpareRegs = Cfg::WS;
   typename Epi::ColPre cp[kSpareRegs ? RG : 1][2];  // column pairs n0 + (gq & ~1) + 16r + 8h, the same every group
   int cached_slot = -1, crk = 0;  // warp-uniform: the slot whose B (rank crk, this expert) the fragments hold
@@ -65,7 +65,6 @@ template <class Cfg, class Epi, class Act> struct WeightsAsAEpilogue {
     t = lane & 3;
     x = Epi::template expert_ctx<Act>(ep, tr.expert);
     N = Epi::cols(ep);
-    if constexpr (kSpareRegs) col_pres(cp);
   }
   __device__ __forceinline__ void col_pres(typename Epi::ColPre (&c)[RG][2]) const {
 #pragma unroll
@@ -143,6 +142,7 @@ template <class Cfg, class Epi, class Act> struct WeightsAsAEpilogue {
   // most of a wgmma kernel's code (bench/NOTES.md, Version 11).
   // With kSpareRegs the next group's sums are read before this group's stores (the compiler keeps loads after them).
   __device__ __forceinline__ void groups_from_shared(const float4* sums, int groups) {
+    if constexpr (kSpareRegs) col_pres(cp);
     float4 next[RG];
     auto read = [&](int i) {
 #pragma unroll
@@ -165,7 +165,7 @@ template <class Cfg, class Epi, class Act> struct WeightsAsAEpilogue {
 
   // GEMM1 quantizes a for GEMM2 in this epilogue (epilogue_a4.cuh: gated, two row groups a warp); block-uniform.
   static constexpr bool kA4Fusable = std::is_same_v<Epi, Epilogue1> && kGatedAct<Act> && RG == 2;
-  __device__ __forceinline__ bool a4_fused() const {
+  __device__ __forceinline__ static bool a4_fused(const typename Epi::Params& ep) {
     if constexpr (kA4Fusable) return ep.a_quant_gs > 0.f;
     return false;
   }
@@ -175,11 +175,7 @@ template <class Cfg, class Epi, class Act> struct WeightsAsAEpilogue {
   // rows rotated by r and the halves of odd row pairs swapped (the writes 2-way, the reads free of bank conflicts).
   // Each lane then stores four adjacent columns of a token: a warp's store covers 8 / RG tokens' 16 * RG columns.
   __device__ __forceinline__ static bool token_major(const typename Epi::Params& ep) {
-    if constexpr (kSpareRegs) {
-      if constexpr (kA4Fusable) return !ep.lora.table && !(ep.a_quant_gs > 0.f);
-      return !ep.lora.table;
-    }
-    return false;
+    return kSpareRegs && !ep.lora.table && !a4_fused(ep);
   }
   // Float index in the sums of warp w's (group i, row group r, token j of the group, column c of the row group).
   __device__ __forceinline__ static int tm_at(int i, int r, int w, int j, int c) {
@@ -264,7 +260,7 @@ template <class Cfg, class Epi, class Act> struct WeightsAsAEpilogue {
       col_pres(cg);
     }
     if constexpr (kA4Fusable) {
-      if (a4_fused()) {
+      if (a4_fused(ep)) {
         float nb[RG][4], dn[RG][4];
 #pragma unroll
         for (int r = 0; r < RG; ++r)

@@ -61,6 +61,7 @@ __global__ void __launch_bounds__(Cfg::BLOCK_THREADS, 1) ws_wgmma_gemm_kernel(Ge
   float* const sums_base = reinterpret_cast<float*>(smem + Cfg::STAGES * Cfg::STAGE_BYTES);
   float4* sums = reinterpret_cast<float4*>(sums_base) + threadIdx.x;
   const bool tm = Epilogue::token_major(ep);  // the last chunk's sums token-major (block-uniform)
+  const int groups = (tr.row_end - tr.row0 + 7) >> 3;  // token groups with rows
   Math math(ring);
   for (int u = 0; u < subs; ++u) {
     const int n0 = nb + u * Cfg::BN;
@@ -83,8 +84,8 @@ __global__ void __launch_bounds__(Cfg::BLOCK_THREADS, 1) ws_wgmma_gemm_kernel(Ge
 
     Epilogue epi(ep, tr, n0 + (static_cast<int>(threadIdx.x) >> 5) * 16 * RG, rows);
     if (u == 0) dev::named_sync<Cfg::THREADS>();  // the row lookups
-    if (tm) epi.quads_from_shared(sums_base, (tr.row_end - tr.row0 + 7) >> 3);
-    else epi.groups_from_shared(sums, (tr.row_end - tr.row0 + 7) >> 3);
+    if (tm) epi.quads_from_shared(sums_base, groups);
+    else epi.groups_from_shared(sums, groups);
     __syncwarp();  // the warp's lanes have read each other's sums before the next tile's first chunk overwrites them
   }
 #else
