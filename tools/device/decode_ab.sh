@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Builds side by side at decode on one GPU: the decode tests of the GPU suite on each build but the first (the base),
+# then `fp4moe bench` of every build shape by shape (the builds interleaved, so that drift hits them alike) and the
+# ratios of each to the first (bench/compare_variants.py), one table a shape in $LOGS/ratios.md.
+#   usage: tools/device/decode_ab.sh OUTDIR BUILD_DIR...   (each BUILD_DIR holds fp4moe and fp4moe_gpu_tests)
+#   SHAPES (default: the six SPEC shapes), BENCH_FLAGS (default --no-lora --tokens 1,2,8,64,128),
+#   TESTS (gtest filter, default the decode layer, batch invariance, models, determinism), BUDGET (seconds, 540)
+set -u
+LOGS=${1:?usage: decode_ab.sh OUTDIR BUILD_DIR...}; shift
+[ $# -ge 1 ] || { echo "usage: decode_ab.sh OUTDIR BUILD_DIR..." >&2; exit 2; }
+. "$(dirname "$0")/lib.sh" "$LOGS"
+header decode_ab "$@"
+SHAPES=${SHAPES:-kimi_k3_tp8,qwen3_30b_a3b,qwen3_30b_a3b_tp4,deepseek_v3_ep8,mixtral_8x7b,gpt_oss_120b}
+FLAGS=${BENCH_FLAGS:---no-lora --tokens 1,2,8,64,128}
+TESTS=${TESTS:-GpuDecodeLayer.*:GpuBatchInvariance.*:GpuModels.*:GpuDeterminism.*}
+builds=("$@")
+name() { basename "$1"; }
+for b in "${builds[@]:1}"; do  # the base build's tests ran where it was measured
+  step "tests-$(name "$b")" 180 "$b/fp4moe_gpu_tests" --gtest_filter="$TESTS"
+  grep -E "PASSED|FAILED" "$LOGS/tests-$(name "$b").log" | tail -3 >> "$S"
+done
+for s in ${SHAPES//,/ }; do
+  files=()
+  for b in "${builds[@]}"; do
+    f="$LOGS/$(name "$b")-$s.json"
+    step "bench-$(name "$b")-$s" 90 "$b/fp4moe" bench --shapes "$s" $FLAGS --json "$f" && files+=("$f")
+  done
+  [ ${#files[@]} -ge 2 ] && python3 "$(dirname "$0")/../../bench/compare_variants.py" "${files[@]}" >> "$LOGS/ratios.md"
+done
+[ -f "$LOGS/ratios.md" ] && cat "$LOGS/ratios.md" >> "$S"
+say "== total $(( $(date +%s) - t0 )) s"
