@@ -1,4 +1,4 @@
-"""Makes tests/data/producers/: tiny MoE checkpoints written by the real NVFP4 quantizers, for
+"""Makes tests/data/producers/: tiny MoE checkpoints written by the real NVFP4 and MXFP4 quantizers, for
 tests/python/test_producer_checkpoints.py.
 
 Each case builds a tiny random-init transformers model, quantizes it with the producer, saves the checkpoint
@@ -9,8 +9,14 @@ the producer's own way into <case>/checkpoint/, and writes beside that folder:
                          activations; bf16 values as F32) and the block's router logits (the model's gate)
   versions.json          the versions of the tools, the case and the layer
 
-Run on a CPU host (no GPU needed) with torch, transformers, nvidia-modelopt, llmcompressor and
-compressed-tensors installed:
+The gpt-oss case quantizes the experts to MXFP4 with triton_kernels (the Triton repository's python/triton_kernels,
+the quantizer transformers calls for gpt-oss; PyPI has it as tokenspeed-triton-kernels, a vendor build, while PyPI's
+triton-kernels is another project), writes them in gpt-oss's release layout, and its y is transformers' GptOssMLP
+(weights decoded, activations not quantized) running the experts as triton_kernels decodes them; its versions.json
+also holds the sha256 of that decode.
+
+Run on a CPU host (no GPU needed) with torch, transformers, nvidia-modelopt, llmcompressor,
+compressed-tensors and triton_kernels installed:
 
   python tools/make_producer_checkpoints.py [--out tests/data/producers] [--only NAME ...]
 """
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
 import json
 import os
 import platform
@@ -37,7 +44,7 @@ VOCAB = 128
 def versions() -> dict:
     out = {"python": platform.python_version()}
     for pkg in ("torch", "transformers", "nvidia-modelopt", "llmcompressor", "compressed-tensors",
-                "safetensors", "accelerate"):
+                "tokenspeed-triton-kernels", "triton", "safetensors", "accelerate"):
         try:
             out[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:
@@ -101,7 +108,7 @@ def reference_input(H):
 def block_forward(block, x):
     """The producer's MoE block on x [T, H]: (y [T, H], router logits [T, E])."""
     logits = []
-    gate = block.gate
+    gate = block.router if hasattr(block, "router") else block.gate  # gpt-oss names it router
     hook = gate.register_forward_hook(lambda m, i, o: logits.append(o[0] if isinstance(o, tuple) else o))
     try:
         with torch.no_grad():
@@ -237,6 +244,75 @@ def llmcompressor_case(build, out_dir: Path, name: str, ignore):
                                            "save": "save_pretrained(save_compressed=True)"})
 
 
+# ---- triton_kernels (gpt-oss MXFP4) ----------------------------------------------------------------------------
+
+# gpt-oss's release quantization config: the experts are MXFP4, the rest stays bf16.
+GPT_OSS_QUANT_CONFIG = {"quant_method": "mxfp4",
+                        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                   "model.embed_tokens", "lm_head"]}
+
+
+def gpt_oss_model():
+    from transformers import GptOssConfig, GptOssForCausalLM
+    cfg = GptOssConfig(**common(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, head_dim=32,
+                                initializer_range=0.1, sliding_window=8, layer_types=["sliding_attention"]))
+    return GptOssForCausalLM(cfg), "model.layers.0.mlp", 0
+
+
+def triton_kernels_gpt_oss_case(out_dir: Path, name: str):
+    """A tiny GptOssForCausalLM whose experts triton_kernels quantizes (downcast_to_mxfp_torch, its default
+    ROUND_UP scales), written in gpt-oss's release layout; the reference is transformers' own loading of that
+    checkpoint (Mxfp4Config(dequantize=True)) running the block, checked to hold triton_kernels' decode
+    (upcast_from_mxfp_torch) bit for bit."""
+    from safetensors.torch import save_file
+    from transformers import GptOssForCausalLM, Mxfp4Config
+    from triton_kernels.numerics_details.mxfp import downcast_to_mxfp_torch, upcast_from_mxfp_torch
+
+    model, block_name, layer = init_model(gpt_oss_model)
+    g = torch.Generator().manual_seed(SEED + 3)
+    with torch.no_grad():  # nonzero biases (the init leaves them 0)
+        for lyr in model.model.layers:
+            for b in (lyr.mlp.experts.gate_up_proj_bias, lyr.mlp.experts.down_proj_bias, lyr.mlp.router.bias):
+                b.copy_(torch.randn(b.shape, generator=g) * 0.1)
+    tensors, decoded = {}, {}
+    for name_, t in model.state_dict().items():
+        if not name_.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            tensors[name_] = t.contiguous()
+            continue
+        # transformers keeps the experts as [E, K, N] (x @ W), triton_kernels' own orientation: quantized along
+        # K (axis 1) into codes [E, K/2, N] and E8M0 scales [E, K/32, N].
+        w, s = downcast_to_mxfp_torch(t, torch.uint8, axis=1)
+        decoded[name_] = upcast_from_mxfp_torch(w, s, torch.bfloat16, axis=1)
+        # The release layout, as transformers' Mxfp4ReverseDeserialize writes triton_kernels' (strided) tensors:
+        # blocks [E, N, K/32, 16], scales [E, N, K/32].
+        scales = s.transpose(-1, -2).contiguous()
+        tensors[name_ + "_blocks"] = w.transpose(-1, -2).reshape(*scales.shape, -1).contiguous()
+        tensors[name_ + "_scales"] = scales
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    ck = out_dir / "checkpoint"
+    ck.mkdir(parents=True)
+    save_file(tensors, str(ck / "model.safetensors"), metadata={"format": "pt"})
+    model.config.quantization_config = GPT_OSS_QUANT_CONFIG
+    model.config.save_pretrained(str(ck))
+    model.generation_config.save_pretrained(str(ck))
+
+    ref = GptOssForCausalLM.from_pretrained(str(ck), quantization_config=Mxfp4Config(dequantize=True),
+                                            dtype=torch.bfloat16).eval()
+    loaded = ref.state_dict()
+    for name_, w in decoded.items():  # transformers' dequantized experts are triton_kernels' decode
+        assert loaded[name_].dtype == torch.bfloat16 and torch.equal(loaded[name_], w), name_
+    x = reference_input(model.config.hidden_size)
+    y, logits = block_forward(get_module(ref, block_name), x)
+    save_reference(out_dir, x, y, logits, {
+        "case": name, "producer": "triton_kernels", "layer": layer, "block": block_name,
+        "quantize": "triton_kernels.numerics_details.mxfp.downcast_to_mxfp_torch(w, torch.uint8, axis=1)",
+        "decode": "upcast_from_mxfp_torch(w, s, torch.bfloat16, axis=1)",
+        "reference": "GptOssForCausalLM.from_pretrained(Mxfp4Config(dequantize=True)), bf16",
+        "decoded_bf16_sha256": {n: hashlib.sha256(w.contiguous().view(torch.int16).numpy().tobytes()).hexdigest()
+                                for n, w in decoded.items() if n.startswith(f"model.layers.{layer}.")}})
+
+
 CASES = {
     "modelopt_qwen3_moe": lambda d: modelopt_case(qwen3_moe_model, d, "modelopt_qwen3_moe"),
     "modelopt_deepseek_v3": lambda d: modelopt_case(deepseek_v3_model, d, "modelopt_deepseek_v3",
@@ -244,6 +320,7 @@ CASES = {
     "modelopt_mixtral": lambda d: modelopt_case(mixtral_model, d, "modelopt_mixtral"),
     "llmcompressor_qwen3_moe": lambda d: llmcompressor_case(qwen3_moe_model, d, "llmcompressor_qwen3_moe",
                                                             ["lm_head", "re:.*mlp.gate$"]),
+    "triton_kernels_gpt_oss": lambda d: triton_kernels_gpt_oss_case(d, "triton_kernels_gpt_oss"),
 }
 
 
