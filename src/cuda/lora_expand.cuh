@@ -44,9 +44,6 @@ __device__ __forceinline__ LoraRowRef lora_row_ref(const LoraExpandParams& L, in
 // looked up so that the mainloop hides their HBM latency.
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
-  return static_cast<uint32_t>(f32_to_bf16(lo)) | (static_cast<uint32_t>(f32_to_bf16(hi)) << 16);
-}
 // (t[k], t[k+1]) as bf16x2, zero at k >= r or without a row (k even).
 __device__ __forceinline__ uint32_t lora_t_pair(const float* t, int r, int k) {
   if (!t || k >= r) return 0;

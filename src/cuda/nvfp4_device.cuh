@@ -15,6 +15,10 @@ __device__ __forceinline__ float bf16_to_f32(uint16_t b) { return __uint_as_floa
 __device__ __forceinline__ uint16_t f32_to_bf16(float f) { return __bfloat16_as_ushort(__float2bfloat16_rn(f)); }
 // v rounded to bf16 and back (the shrinks' t, the expand's delta, SharedOuter's z and dy).
 __device__ __forceinline__ float round_to_bf16(float v) { return bf16_to_f32(f32_to_bf16(v)); }
+// Two floats as bf16x2, lo in the low half.
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  return static_cast<uint32_t>(f32_to_bf16(lo)) | (static_cast<uint32_t>(f32_to_bf16(hi)) << 16);
+}
 
 // E4M3 code -> fp32, exactly: put the 7 magnitude bits where fp32's exponent/mantissa start (the
 // value is then 2^-120 times the E4M3 value, fp32 subnormals included) and rescale by 2^120.

@@ -132,8 +132,7 @@ struct Epilogue1 {
                                                         float l1) {
     float h0, h1;
     pre_act(p, rc, cp, col, col + 1, c0, c1, l0, l1, h0, h1);
-    return static_cast<uint32_t>(dev::f32_to_bf16(Act::apply(h0, 0.f, x.prm))) |
-           (static_cast<uint32_t>(dev::f32_to_bf16(Act::apply(h1, 0.f, x.prm))) << 16);
+    return dev::pack_bf16x2(Act::apply(h0, 0.f, x.prm), Act::apply(h1, 0.f, x.prm));
   }
   __device__ __forceinline__ static void store_act_out(const Params& p, const RowCtx& rc, int j, uint32_t a) {
     if (p.act_out) {  // the caller's tensor may be only 2-byte aligned
@@ -161,10 +160,8 @@ struct Epilogue1 {
                                               const ColPre (&cp)[2], int col, const float (&c)[4]) {
     if (!cp[0].in) return;
     if constexpr (kGatedAct<Act>) {
-      const uint32_t a = static_cast<uint32_t>(dev::f32_to_bf16(gated_value<Act>(p, x, rc, cp[0], col, c[0], c[1],
-                                                                                  0.f, 0.f))) |
-                         (static_cast<uint32_t>(dev::f32_to_bf16(gated_value<Act>(p, x, rc, cp[1], col + 2, c[2],
-                                                                                  c[3], 0.f, 0.f))) << 16);
+      const uint32_t a = dev::pack_bf16x2(gated_value<Act>(p, x, rc, cp[0], col, c[0], c[1], 0.f, 0.f),
+                                          gated_value<Act>(p, x, rc, cp[1], col + 2, c[2], c[3], 0.f, 0.f));
       *reinterpret_cast<uint32_t*>(p.out + static_cast<int64_t>(rc.r) * p.I + (col >> 1)) = a;  // col / 2 even
       store_act_out(p, rc, col >> 1, a);
     } else {
@@ -211,21 +208,20 @@ struct Epilogue2 {
   __device__ __forceinline__ static void pair(const Params& p, const ExpertCtx& x, const RowCtx& rc, const ColPre& cp,
                                               int col, float c0, float c1, float l0, float l1) {
     if (!cp.in) return;
-    const float o0 = __fadd_rn(__fmul_rn(c0, x.s), cp.b0);
-    const float o1 = __fadd_rn(__fmul_rn(c1, x.s), cp.b1);
-    // The down LoRA delta, always added (+0 for base rows, which turns -0 into +0 as the reference).
-    *reinterpret_cast<float2*>(rc.orow + col) = make_float2(__fadd_rn(o0, l0), __fadd_rn(o1, l1));
+    *reinterpret_cast<float2*>(rc.orow + col) = make_float2(value(x, c0, cp.b0, l0), value(x, c1, cp.b1, l1));
+  }
+  // One output: the scaled sum, the bias, then the down LoRA delta, always added (+0 for base rows, which turns -0
+  // into +0 as the reference).
+  __device__ __forceinline__ static float value(const ExpertCtx& x, float c, float b, float l) {
+    return __fadd_rn(__fadd_rn(__fmul_rn(c, x.s), b), l);
   }
   // Four adjacent columns (col % 4 == 0, H % 4 == 0) without LoRA deltas: one 16-byte store.
   template <class Act>
   __device__ __forceinline__ static void quad(const Params&, const ExpertCtx& x, const RowCtx& rc,
                                               const ColPre (&cp)[2], int col, const float (&c)[4]) {
     if (!cp[0].in) return;
-    const float b[4] = {cp[0].b0, cp[0].b1, cp[1].b0, cp[1].b1};
-    float o[4];
-#pragma unroll
-    for (int q = 0; q < 4; ++q) o[q] = __fadd_rn(__fadd_rn(__fmul_rn(c[q], x.s), b[q]), 0.f);
-    *reinterpret_cast<float4*>(rc.orow + col) = make_float4(o[0], o[1], o[2], o[3]);
+    *reinterpret_cast<float4*>(rc.orow + col) = make_float4(value(x, c[0], cp[0].b0, 0.f), value(x, c[1], cp[0].b1, 0.f),
+                                                            value(x, c[2], cp[1].b0, 0.f), value(x, c[3], cp[1].b1, 0.f));
   }
 };
 

@@ -193,11 +193,9 @@ template <class Cfg, class Epi, class Act> struct WeightsAsAEpilogue {
       for (int r = 0; r < RG; ++r)
 #pragma unroll
         for (int i = 0; i < GROUPS; ++i) {
-          const float4 v = own[(i * RG + r) * Cfg::THREADS];
-          part[r][i][0] = __fadd_rn(v.x, part[r][i][0]);
-          part[r][i][1] = __fadd_rn(v.y, part[r][i][1]);
-          part[r][i][2] = __fadd_rn(v.z, part[r][i][2]);
-          part[r][i][3] = __fadd_rn(v.w, part[r][i][3]);
+          const float4 v = add_chunk(own[(i * RG + r) * Cfg::THREADS],
+                                     make_float4(part[r][i][0], part[r][i][1], part[r][i][2], part[r][i][3]));
+          part[r][i][0] = v.x, part[r][i][1] = v.y, part[r][i][2] = v.z, part[r][i][3] = v.w;
         }
     }
     __syncwarp();  // every lane has read its slots before the warp writes over them

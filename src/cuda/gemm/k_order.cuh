@@ -32,16 +32,17 @@ template <int N> __device__ __forceinline__ void add_chunk(float (&acc)[N][4], c
 #pragma unroll
     for (int q = 0; q < 4; ++q) acc[i][q] = first ? part[i][q] : __fadd_rn(acc[i][q], part[i][q]);
 }
+// One float4 of running sums s plus a chunk's part, in that order.
+__device__ __forceinline__ float4 add_chunk(float4 s, float4 part) {
+  return make_float4(__fadd_rn(s.x, part.x), __fadd_rn(s.y, part.y), __fadd_rn(s.z, part.z), __fadd_rn(s.w, part.w));
+}
 // The same, the running sums in shared memory: float4 i of them at sums[i * kStride].
 template <int kStride, int N>
 __device__ __forceinline__ void add_chunk_shared(float4* sums, const float (&part)[N][4], bool first) {
 #pragma unroll
   for (int i = 0; i < N; ++i) {
     float4 v = make_float4(part[i][0], part[i][1], part[i][2], part[i][3]);
-    if (!first) {
-      const float4 s = sums[i * kStride];
-      v = make_float4(__fadd_rn(s.x, v.x), __fadd_rn(s.y, v.y), __fadd_rn(s.z, v.z), __fadd_rn(s.w, v.w));
-    }
+    if (!first) v = add_chunk(sums[i * kStride], v);
     sums[i * kStride] = v;
   }
 }
