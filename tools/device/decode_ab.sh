@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Builds side by side at decode on one GPU: the decode tests of the GPU suite on each build but the first (the base),
+# Builds side by side on one GPU: the decode tests of the GPU suite on each build but the first (the base) that holds them,
 # then `fp4moe bench` of every build shape by shape (the builds interleaved, so that drift hits them alike) and the
 # ratios of each to the first (bench/compare_variants.py), one table a shape in $LOGS/ratios.md.
-#   usage: tools/device/decode_ab.sh OUTDIR BUILD_DIR...   (each BUILD_DIR holds fp4moe and fp4moe_gpu_tests)
+#   usage: tools/device/decode_ab.sh OUTDIR BUILD_DIR...   (each BUILD_DIR holds fp4moe, most also fp4moe_gpu_tests)
 #   SHAPES (default: the six SPEC shapes), BENCH_FLAGS (default --no-lora --tokens 1,2,8,64,128),
 #   TESTS (gtest filter, default the decode layer, batch invariance, models, determinism), BUDGET (seconds, 540)
 set -u
@@ -16,6 +16,7 @@ TESTS=${TESTS:-GpuDecodeLayer.*:GpuBatchInvariance.*:GpuModels.*:GpuDeterminism.
 builds=("$@")
 name() { basename "$1"; }
 for b in "${builds[@]:1}"; do  # the base build's tests ran where it was measured
+  [ -x "$b/fp4moe_gpu_tests" ] || continue
   step "tests-$(name "$b")" 180 "$b/fp4moe_gpu_tests" --gtest_filter="$TESTS"
   grep -E "PASSED|FAILED" "$LOGS/tests-$(name "$b").log" | tail -3 >> "$S"
 done
