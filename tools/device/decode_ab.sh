@@ -24,7 +24,8 @@ for s in ${SHAPES//,/ }; do
   files=()
   for b in "${builds[@]}"; do
     f="$LOGS/$(name "$b")-$s.json"
-    step "bench-$(name "$b")-$s" 90 "$b/fp4moe" bench --shapes "$s" $FLAGS --json "$f" && files+=("$f")
+    step "bench-$(name "$b")-$s" 90 "$b/fp4moe" bench --shapes "$s" $FLAGS --json "$f"
+    [ -s "$f" ] && files+=("$f")  # a failed output check still times (rc in the summary)
   done
   [ ${#files[@]} -ge 2 ] && python3 "$(dirname "$0")/../../bench/compare_variants.py" "${files[@]}" >> "$LOGS/ratios.md"
 done
