@@ -168,7 +168,8 @@ MoePlan make_plan(const ProblemShape& shape) {
   const bool few_experts = s.E_total <= kFewExperts;
   // The warp-specialised wgmma tile (128 tokens x 256 weight rows, one block an SM) from kWsRows expected rows an
   // expert on experts of I >= kWsMinI, NVFP4 weights without LoRA (the cases measured: bench/NOTES.md, "A warp-
-  // specialised wgmma tile"); below, its mostly empty 128-row tiles and 256-row tiles past N lose to Wgmma64.
+  // specialised wgmma tile"; I = 192, qwen3_30b_a3b_tp4, since the token-major epilogue: T = 4096 / 16384 0.86 /
+  // 0.82 of Wgmma64's time); below, its mostly empty 128-row tiles and 256-row tiles past N lose to Wgmma64.
   const bool fp4 = is_fp4(s.format);  // MXFP4 shares NVFP4's prepared layout and kernels
   const bool ws = fp4 && !s.has_lora && avg_rows >= kWsRows && s.I >= kWsMinI;
   auto choose = [&](bool wgmma) {

@@ -223,7 +223,7 @@ constexpr int64_t kFewExperts = 16;
 // 32 (make_plan's tile choice; measured on qwen3_30b_a3b_tp4, I = 192: bench/NOTES.md).
 constexpr int64_t kLoraThinI = 256, kLoraThinRows = 80;
 // The warp-specialised wgmma tile from this many expected rows an expert, on experts of I >= kWsMinI (make_plan).
-constexpr int64_t kWsRows = 80, kWsMinI = 384;
+constexpr int64_t kWsRows = 80, kWsMinI = 192;
 // Its blocks run up to kWsMaxSub n tiles of their m tile in turn where K is at most kWsSubMaxK and the grid is at
 // least kWsSubWaves blocks an SM (MoePlan::ws_sub1).
 constexpr int64_t kWsMaxSub = 4, kWsSubMaxK = 1024, kWsSubWaves = 16;

@@ -371,7 +371,7 @@ TEST(Plan, OtherDevicesKeepTheInvariants) {
 }
 
 // The WS sub-tiles on the shapes measured (bench/NOTES.md): kimi_k3_tp8's GEMM2 (K = 384) at T = 4096 takes four n
-// tiles a block, its GEMM1 (K = 3584) one; mixtral_8x7b (K = 4096, 14336) one on both.
+// tiles a block, its GEMM1 (K = 3584) one; mixtral_8x7b (K = 4096, 14336) one on both; qwen3_30b_a3b_tp4 as kimi.
 TEST(Plan, WsSubTilesOnShortK) {
   ProblemShape s;
   s.T = 4096; s.H = 3584; s.I = 384; s.E_loc = s.E_total = 384; s.k = 8;
@@ -386,6 +386,14 @@ TEST(Plan, WsSubTilesOnShortK) {
   ASSERT_EQ(mixtral.gemm_config, static_cast<int>(GemmTile::WgmmaWs128));
   EXPECT_EQ(mixtral.ws_sub1, 1);
   EXPECT_EQ(mixtral.ws_sub2, 1);
+  // qwen3_30b_a3b_tp4 (I = 192): the WS tile from 80 rows an expert (T = 4096: 256), Wgmma64 at T = 1024 (64).
+  s.T = 4096; s.H = 2048; s.I = 192; s.E_loc = s.E_total = 128; s.k = 8;
+  const MoePlan tp4 = make_plan(s);
+  EXPECT_EQ(tp4.gemm_config, static_cast<int>(GemmTile::WgmmaWs128));
+  EXPECT_EQ(tp4.ws_sub1, 1);
+  EXPECT_EQ(tp4.ws_sub2, 4);
+  s.T = 1024;
+  EXPECT_EQ(make_plan(s).gemm_config, static_cast<int>(GemmTile::Wgmma64));
   s.device.wgmma = false;  // no WS tile, no sub-tiles
   const MoePlan old = make_plan(s);
   EXPECT_EQ(old.ws_sub1, 1);
