@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# Builds side by side on one GPU: the decode tests of the GPU suite on each build but the first (the base) that holds them,
-# then `fp4moe bench` of every build shape by shape (the builds interleaved, so that drift hits them alike) and the
-# ratios of each to the first (bench/compare_variants.py), one table a shape in $LOGS/ratios.md.
-#   usage: tools/device/decode_ab.sh OUTDIR BUILD_DIR...   (each BUILD_DIR holds fp4moe, most also fp4moe_gpu_tests)
+# Builds side by side on one GPU (the A/B of a change; the base run twice gives the spread): TESTS of the GPU suite on
+# each build but the first (the base) that holds them, then `fp4moe bench` of every build shape by shape (the builds
+# interleaved, so that drift hits them alike) and the ratios of each to the first (bench/compare_variants.py), one
+# table a shape in $LOGS/ratios.md. The defaults are the decode path's.
+#   usage: tools/device/ab_builds.sh OUTDIR BUILD_DIR...   (each BUILD_DIR holds fp4moe, most also fp4moe_gpu_tests)
 #   SHAPES (default: the six SPEC shapes), BENCH_FLAGS (default --no-lora --tokens 1,2,8,64,128),
 #   TESTS (gtest filter, default the decode layer, batch invariance, models, determinism), BUDGET (seconds, 540)
 set -u
-LOGS=${1:?usage: decode_ab.sh OUTDIR BUILD_DIR...}; shift
-[ $# -ge 1 ] || { echo "usage: decode_ab.sh OUTDIR BUILD_DIR..." >&2; exit 2; }
+LOGS=${1:?usage: ab_builds.sh OUTDIR BUILD_DIR...}; shift
+[ $# -ge 1 ] || { echo "usage: ab_builds.sh OUTDIR BUILD_DIR..." >&2; exit 2; }
 . "$(dirname "$0")/lib.sh" "$LOGS"
-header decode_ab "$@"
+header ab_builds "$@"
 SHAPES=${SHAPES:-kimi_k3_tp8,qwen3_30b_a3b,qwen3_30b_a3b_tp4,deepseek_v3_ep8,mixtral_8x7b,gpt_oss_120b}
 FLAGS=${BENCH_FLAGS:---no-lora --tokens 1,2,8,64,128}
 TESTS=${TESTS:-GpuDecodeLayer.*:GpuBatchInvariance.*:GpuModels.*:GpuDeterminism.*}
