@@ -35,6 +35,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "python"))
+from checkpoint_files import MXFP4_QUANT_CONFIG  # noqa: E402  gpt-oss's release quantization config
+
 SEED = 1234
 TOKENS = 16          # rows of the fixed reference input
 CALIB_BATCHES = 8    # calibration forward passes of 2 x 32 random tokens
@@ -246,10 +249,6 @@ def llmcompressor_case(build, out_dir: Path, name: str, ignore):
 
 # ---- triton_kernels (gpt-oss MXFP4) ----------------------------------------------------------------------------
 
-# gpt-oss's release quantization config: the experts are MXFP4, the rest stays bf16.
-GPT_OSS_QUANT_CONFIG = {"quant_method": "mxfp4",
-                        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
-                                                   "model.embed_tokens", "lm_head"]}
 
 
 def gpt_oss_model():
@@ -293,7 +292,7 @@ def triton_kernels_gpt_oss_case(out_dir: Path, name: str):
     ck = out_dir / "checkpoint"
     ck.mkdir(parents=True)
     save_file(tensors, str(ck / "model.safetensors"), metadata={"format": "pt"})
-    model.config.quantization_config = GPT_OSS_QUANT_CONFIG
+    model.config.quantization_config = MXFP4_QUANT_CONFIG
     model.config.save_pretrained(str(ck))
     model.generation_config.save_pretrained(str(ck))
 
