@@ -81,6 +81,33 @@ __device__ __forceinline__ void topk_cached(uint32_t* keys, int E, int k, int my
   }
 }
 
+// The score key of group [base, base + gs) (DeepSeekV3's groups): rank_key of the sum of its two best scores, on one
+// warp (lane l holds the group's experts base + l, base + l + 32, ...), the two found by two warp reductions, the
+// lower expert first among equal keys. keys: where each expert's key is written as it is made (or nullptr).
+__device__ __forceinline__ uint32_t group_key(const float* sel, int base, int gs, uint32_t* keys) {
+  const int lane = threadIdx.x & 31;
+  uint32_t k0 = 0, k1 = 0;  // this lane's two best keys in the group (0: none), the lower expert first on ties
+  int e0 = 0, e1 = 0;
+#pragma unroll 1
+  for (int e = base + lane; e < base + gs; e += 32) {
+    const uint32_t kk = rank_key(sel[e]);
+    if (keys) keys[e] = kk;
+    const bool g0 = kk > k0, g1 = kk > k1;
+    k1 = g0 ? k0 : (g1 ? kk : k1);
+    e1 = g0 ? e0 : (g1 ? e : e1);
+    k0 = g0 ? kk : k0;
+    e0 = g0 ? e : e0;
+  }
+  int best[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {  // gs >= 2 (validated): both rounds find an expert
+    const uint32_t bk = __reduce_max_sync(0xffffffffu, k0);
+    best[r] = static_cast<int>(0xffffu - __reduce_max_sync(0xffffffffu, k0 == bk ? 0xffffu - static_cast<uint32_t>(e0) : 0u));
+    if (((best[r] - base) & 31) == lane) { k0 = k1; e0 = e1; k1 = 0; }
+  }
+  return rank_key(sel[best[0]] + sel[best[1]]);
+}
+
 __device__ __forceinline__ float read_logit(const RoutingParams& p, int t, int e) {
   const int64_t off = static_cast<int64_t>(t) * p.E + e;
   return p.logits_bf16 ? dev::bf16_to_f32(static_cast<const uint16_t*>(p.logits)[off])
@@ -224,34 +251,13 @@ __device__ __forceinline__ void route_token(const RoutingParams& p, int t, float
 
   // Candidates: all experts, or those of the best topk_group groups (DeepSeekV3, n_group > 1).
   if (method == RoutingMethod::DeepSeekV3 && p.n_group > 1) {
-    // One group at a time over the whole warp (lane l holds the group's experts l, l + 32, ...): its two best by
-    // rank_key in two warp reductions, where one lane scanning a group was a serial chain of shared loads. The
-    // group's keys are written as they are made; those of the groups not kept are zeroed below.
+    // One group at a time over the whole warp (group_key), where one lane scanning a group was a serial chain of
+    // shared loads. The group's keys are written as they are made; those of the groups not kept are zeroed below.
     const int G = p.n_group, gs = E / G;
     uint32_t gkey[2] = {0u, 0u};  // lane l: the score keys of groups l and l + 32 (G <= 64)
 #pragma unroll 1
     for (int g = 0; g < G; ++g) {
-      const int base = g * gs;
-      uint32_t k0 = 0, k1 = 0;  // this lane's two best keys in the group (0: none), the lower expert first on ties
-      int e0 = 0, e1 = 0;
-#pragma unroll 1
-      for (int e = base + lane; e < base + gs; e += 32) {
-        const uint32_t kk = rank_key(sel[e]);
-        keys[e] = kk;
-        const bool g0 = kk > k0, g1 = kk > k1;
-        k1 = g0 ? k0 : (g1 ? kk : k1);
-        e1 = g0 ? e0 : (g1 ? e : e1);
-        k0 = g0 ? kk : k0;
-        e0 = g0 ? e : e0;
-      }
-      int best[2];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {  // gs >= 2 (validated): both rounds find an expert
-        const uint32_t bk = __reduce_max_sync(0xffffffffu, k0);
-        best[r] = static_cast<int>(0xffffu - __reduce_max_sync(0xffffffffu, k0 == bk ? 0xffffu - static_cast<uint32_t>(e0) : 0u));
-        if (((best[r] - base) & 31) == lane) { k0 = k1; e0 = e1; k1 = 0; }
-      }
-      const uint32_t sk = rank_key(sel[best[0]] + sel[best[1]]);
+      const uint32_t sk = group_key(sel, g * gs, gs, keys);
       if ((g & 31) == lane) {
         if (g < 32) gkey[0] = sk;  // static indices: gkey stays in registers
         else gkey[1] = sk;
@@ -307,8 +313,9 @@ template <RoutingMethod M> __global__ void routing_kernel(RoutingParams p) {
 // A block a token (a few tokens, MoePlan::routing_warps_per_token): thread e scores expert e (E <= 32 x warps),
 // each warp ranks its 32 keys by shuffles and keeps its best min(k, 32), then every kept candidate counts the
 // better ones among all warps' (a 64-bit key: the score key, then the lower id); the k best take their slots.
-// The same order as topk_cached (ties to the lower id, NaN last), and route_weights makes the weights: the
-// bits of a warp a token. One warp walked E / 32 experts per loop in series there (kimi_k3_tp8: 12).
+// DeepSeekV3's groups first: a warp a group (group_key), then each expert's group kept or not by its rank among the
+// group keys. The same order as topk_cached (ties to the lower id, NaN last), and route_weights makes the weights:
+// the bits of a warp a token. One warp walked E / 32 experts (kimi_k3_tp8: 12) or the G groups in series there.
 template <RoutingMethod M> __global__ void routing_block_kernel(RoutingParams p) {
   dev::pdl_wait();
   dev::pdl_launch_dependents();
@@ -321,7 +328,7 @@ template <RoutingMethod M> __global__ void routing_block_kernel(RoutingParams p)
   const int e = static_cast<int>(threadIdx.x), lane = e & 31, warp = e >> 5, W = static_cast<int>(blockDim.x >> 5);
   float* sel = reinterpret_cast<float*>(smem64);
   uint64_t* cand = smem64 + (E + 1) / 2;   // [W][kk]
-  int* s_ids = reinterpret_cast<int*>(cand + W * kk);  // [k]
+  int* s_ids = reinterpret_cast<int*>(cand + W * kk);  // [k], then DeepSeekV3's group keys [n_group]
   const bool with_bias = p.bias && (method == RoutingMethod::DeepSeekV3 || method == RoutingMethod::MiniMax2);
 
   // Scores and keys (the warp kernel's arithmetic, an expert a thread).
@@ -346,6 +353,27 @@ template <RoutingMethod M> __global__ void routing_block_kernel(RoutingParams p)
     key = rank_key(v);
   }
   if (with_bias && t == 0 && p.error_flag && __syncthreads_or(bad) && e == 0) atomicExch(p.error_flag, kErrRoutingBias);
+  if constexpr (method == RoutingMethod::DeepSeekV3) {
+    if (p.n_group > 1) {  // candidates: the experts of the best topk_group groups (a warp a group, then a rank each)
+      const int G = p.n_group, gs = E / G;
+      uint32_t* gkeys = reinterpret_cast<uint32_t*>(s_ids + k);  // [G]
+      __syncthreads();
+#pragma unroll 1
+      for (int g = warp; g < G; g += W) {
+        const uint32_t sk = group_key(sel, g * gs, gs, nullptr);
+        if (lane == 0) gkeys[g] = sk;
+      }
+      __syncthreads();
+      if (e < E) {  // kept: fewer than topk_group groups rank above its group (a higher key, or equal and a lower id)
+        const int g = e / gs;
+        const uint32_t mk = gkeys[g];
+        int above = 0;
+#pragma unroll 4
+        for (int h = 0; h < G; ++h) above += gkeys[h] > mk || (gkeys[h] == mk && h < g);
+        if (above >= p.topk_group) key = 0u;
+      }
+    }
+  }
   // This warp's rank of its key (the better keys, then the equal ones of lower id: lower lanes).
   int r = 0;
 #pragma unroll 1

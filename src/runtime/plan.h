@@ -192,16 +192,17 @@ constexpr int64_t kDefaultWorkspaceBudget = int64_t(4) << 30;
 constexpr int64_t kMaxTopK = 64;
 constexpr int64_t kMaxExpertsRouting = 4096;  // logits width the routing kernel keeps in shared memory
 // Routing a token on a block (MoePlan::routing_warps_per_token): up to this many tokens a chunk, more than
-// kRoutingBlockMinExperts and up to kRoutingBlockExperts experts (one a thread); ungrouped methods without a sum over
-// the experts.
+// kRoutingBlockMinExperts and up to kRoutingBlockExperts experts (one a thread); methods without a sum over the
+// experts.
 constexpr int64_t kRoutingBlockTokens = 64, kRoutingBlockMinExperts = 128, kRoutingBlockExperts = 512;
 constexpr int64_t kMaxLocalExperts = 4096;    // per-block expert counters and the scan in shared memory
 constexpr int64_t kMaxGroups = 64;            // group scores: two registers a routing lane
 // Shared-memory floats of one routing warp (src/cuda/routing.cu): scores [E], top-k keys [E].
 constexpr int64_t routing_floats_per_warp(int E) { return 2 * E; }
-// The block-a-token routing's shared memory: the scores, each warp's best (a 64-bit key each), the chosen ids.
-constexpr int64_t routing_block_smem(int64_t E, int64_t k, int64_t warps) {
-  return ((E * 4 + 7) / 8) * 8 + warps * (k < 32 ? k : 32) * 8 + k * 4;
+// The block-a-token routing's shared memory: the scores, each warp's best (a 64-bit key each), the chosen ids, the
+// group keys (DeepSeekV3 with n_group > 1).
+constexpr int64_t routing_block_smem(int64_t E, int64_t k, int64_t warps, int64_t n_group) {
+  return ((E * 4 + 7) / 8) * 8 + warps * (k < 32 ? k : 32) * 8 + k * 4 + (n_group > 1 ? n_group * 4 : 0);
 }
 constexpr int64_t kMaxTokens = int64_t(1) << 30;
 constexpr int64_t kMaxHidden = int64_t(1) << 20;  // H, I: keeps every per-row index inside int32

@@ -81,7 +81,8 @@ void check_plan(const ProblemShape& s, std::mt19937_64& rng) {
       EXPECT_EQ(p.routing_blocks, p.chunk_tokens);
       EXPECT_GE(32 * p.routing_warps_per_token, p.shape.E_total);
       EXPECT_LE(32 * p.routing_warps_per_token, 1024);
-      EXPECT_EQ(p.routing_smem, static_cast<size_t>(routing_block_smem(p.shape.E_total, s.k, p.routing_warps_per_token)));
+      EXPECT_EQ(p.routing_smem, static_cast<size_t>(routing_block_smem(p.shape.E_total, s.k, p.routing_warps_per_token,
+                                                                         s.n_group)));
     } else {
       EXPECT_GE(p.routing_blocks * p.routing_warps_per_block, p.chunk_tokens);
       EXPECT_GE(p.routing_smem, static_cast<size_t>(2 * p.shape.E_total * 4 * p.routing_warps_per_block));

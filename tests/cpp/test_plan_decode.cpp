@@ -144,8 +144,8 @@ TEST(Plan, EntryTilesAtDecodeFromLogits) {
 }
 
 
-// A few tokens route on a block a token (an expert a thread) where the method has no groups and no sum over the
-// experts and E is 129..512; else a warp a token.
+// A few tokens route on a block a token (an expert a thread) where the method has no sum over the experts and E is
+// 129..512, DeepSeekV3's groups included; else a warp a token.
 TEST(Plan, RoutingBlockATokenAtFewTokens) {
   ProblemShape s;
   s.H = 3584; s.I = 384; s.E_loc = s.E_total = 384; s.k = 8;  // kimi_k3_tp8 (DeepSeekV3 without groups)
@@ -155,15 +155,16 @@ TEST(Plan, RoutingBlockATokenAtFewTokens) {
     EXPECT_EQ(p.routing_warps_per_token, warps) << "T=" << T;
     if (warps > 0) {
       EXPECT_EQ(p.routing_blocks, T);
-      EXPECT_EQ(p.routing_smem, static_cast<size_t>(routing_block_smem(384, 8, 12)));
+      EXPECT_EQ(p.routing_smem, static_cast<size_t>(routing_block_smem(384, 8, 12, 1)));
     }
   }
   s.T = 1;
   s.routing_sums_experts = true;  // qwen3_30b_a3b's RenormalizeNaive
   EXPECT_EQ(make_plan(s).routing_warps_per_token, 0);
   s.routing_sums_experts = false;
-  s.E_loc = s.E_total = 256; s.n_group = 8;  // deepseek_v3_ep8's groups
-  EXPECT_EQ(make_plan(s).routing_warps_per_token, 0);
+  s.E_loc = s.E_total = 256; s.n_group = 8;  // deepseek_v3_ep8's groups: a warp a group, then the block's merge
+  EXPECT_EQ(make_plan(s).routing_warps_per_token, 8);
+  EXPECT_EQ(make_plan(s).routing_smem, static_cast<size_t>(routing_block_smem(256, 8, 8, 8)));
   s.n_group = 1; s.E_loc = s.E_total = 8; s.k = 2;  // mixtral_8x7b: one warp holds every expert
   EXPECT_EQ(make_plan(s).routing_warps_per_token, 0);
   s.E_loc = s.E_total = kRoutingBlockMinExperts; s.k = 4;  // gpt_oss_120b: a warp walks its 128 experts 4 times

@@ -374,43 +374,47 @@ TEST(GpuRandomShapes, RoutingClusteredWinnersAndTies) {
 
 // ---- routing a token on a block (MoePlan::routing_warps_per_token, up to kRoutingBlockTokens tokens) gives the bits
 // of a warp a token (above): a 100-token batch against sub-batches of its tokens, kimi's 384 experts (12 warps, 8
-// of them local) with its DeepSeekV3 bias, the same with a bias that is not finite (the flag); and against the
-// reference ------------------------------------------------------------------------------------------------------
+// of them local) and deepseek_v3_ep8's 256 in 8 groups (8 warps, a group each), each with its DeepSeekV3 bias, the
+// same with a bias that is not finite (the flag); and against the reference -----------------------------------------
 TEST(GpuBatchInvariance, BlockRoutingEqualsWarpRouting) {
   FP4MOE_SKIP_WITHOUT_GPU();
-  Case c;
-  c.shape = model("kimi_k3_tp8");
-  c.E_loc = 8;
-  c.E_total = 384;
-  c.offset = 40;
-  c.T = 100;
-  c.seed = 7300;
-  ProblemShape ps = problem_shape(c);
-  ASSERT_EQ(make_plan(ps).routing_warps_per_token, 0) << "the full batch should route a warp a token";
-  ps.T = 4;
-  ASSERT_EQ(make_plan(ps).routing_warps_per_token, 12) << "the sub-batches should route a block a token";
-  auto layer = make_layer(c);
-  Inputs in = make_inputs(c);
-  auto call = make_gpu_call(c, in, *layer);
-  const auto y = run_gpu(layer->gpu, *call);
-  for (const std::vector<int64_t>& sub : {std::vector<int64_t>{0}, std::vector<int64_t>{3, 50, 64, 99}})
-    expect_sub_batch_equal(c, in, *layer, y, sub, "routed on a block");
-  Case cr = c;
-  cr.T = 6;
-  cr.check_tokens = cr.T;
-  check_case(cr, nullptr, "kimi E=384 routed on a block", true);
-  check_device_errors(0);
-  Inputs bad = sub_inputs(in, {0, 1, 2});
-  bad.bias[200] = NAN;
-  Case cb = c;
-  cb.T = 3;
-  auto bc = make_gpu_call(cb, bad, *layer);
-  EXPECT_EQ(count_poison(run_gpu(layer->gpu, *bc)), 0);
-  try {
+  struct R { const char* shape; int64_t E_total, offset; int warps; };
+  for (const R& r : {R{"kimi_k3_tp8", 384, 40, 12}, R{"deepseek_v3_ep8", 256, 96, 8}}) {
+    SCOPED_TRACE(r.shape);
+    Case c;
+    c.shape = model(r.shape);
+    c.E_loc = 8;
+    c.E_total = r.E_total;
+    c.offset = r.offset;
+    c.T = 100;
+    c.seed = 7300;
+    ProblemShape ps = problem_shape(c);
+    ASSERT_EQ(make_plan(ps).routing_warps_per_token, 0) << "the full batch should route a warp a token";
+    ps.T = 4;
+    ASSERT_EQ(make_plan(ps).routing_warps_per_token, r.warps) << "the sub-batches should route a block a token";
+    auto layer = make_layer(c);
+    Inputs in = make_inputs(c);
+    auto call = make_gpu_call(c, in, *layer);
+    const auto y = run_gpu(layer->gpu, *call);
+    for (const std::vector<int64_t>& sub : {std::vector<int64_t>{0}, std::vector<int64_t>{3, 50, 64, 99}})
+      expect_sub_batch_equal(c, in, *layer, y, sub, "routed on a block");
+    Case cr = c;
+    cr.T = 6;
+    cr.check_tokens = cr.T;
+    check_case(cr, nullptr, (std::string(r.shape) + " routed on a block").c_str(), true);
     check_device_errors(0);
-    ADD_FAILURE() << "expected DeviceFault for a NaN bias";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.argument(), "routing.bias") << e.what();
+    Inputs bad = sub_inputs(in, {0, 1, 2});
+    bad.bias[200] = NAN;
+    Case cb = c;
+    cb.T = 3;
+    auto bc = make_gpu_call(cb, bad, *layer);
+    EXPECT_EQ(count_poison(run_gpu(layer->gpu, *bc)), 0);
+    try {
+      check_device_errors(0);
+      ADD_FAILURE() << "expected DeviceFault for a NaN bias";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.argument(), "routing.bias") << e.what();
+    }
   }
 }
 
