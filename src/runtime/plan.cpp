@@ -125,7 +125,8 @@ MoePlan make_plan(const ProblemShape& shape) {
   // A few tokens: a block a token, an expert a thread, the top-k merged from each warp's best (routing.cu); the
   // same selection and weights as a warp a token, whose one warp walked the experts E / 32 times (and DeepSeekV3's
   // groups one after another). Measured 2026-12-04 against a warp a token: kimi_k3_tp8 (384 experts) T = 2..64
-  // 0.96-0.99, LoRA T=1 0.97, base T=1 1.005; gpt_oss_120b (128) 1.00-1.04: so from more than 128 experts.
+  // 0.96-0.99, LoRA T=1 0.97, base T=1 1.005; gpt_oss_120b (128) 1.00-1.04: so from more than 128 experts;
+  // deepseek_v3_ep8 (8 groups, 2026-12-07) T = 1 / 8 / 64 0.94 / 0.98 / 0.99.
   if (s.routing_from_logits && p.chunk_tokens <= kRoutingBlockTokens && s.E_total > kRoutingBlockMinExperts &&
       s.E_total <= kRoutingBlockExperts && !s.routing_sums_experts) {
     p.routing_warps_per_token = static_cast<int>(ceil_div(s.E_total, 32));
