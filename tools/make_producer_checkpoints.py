@@ -250,7 +250,6 @@ def llmcompressor_case(build, out_dir: Path, name: str, ignore):
 # ---- triton_kernels (gpt-oss MXFP4) ----------------------------------------------------------------------------
 
 
-
 def gpt_oss_model():
     from transformers import GptOssConfig, GptOssForCausalLM
     cfg = GptOssConfig(**common(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, head_dim=32,
