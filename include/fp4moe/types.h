@@ -46,6 +46,8 @@ enum class GemmTile : int32_t {
   Wgmma64 = 3,       // 64 tokens a tile, sm_90a wgmma with the decoded weights as its register A operand
   WeightsAsA16 = 4,  // up to 16 tokens a tile, the weights as the mma A operand
   WgmmaWs128 = 5,    // 128 tokens x 256 weight rows, sm_90a wgmma, warp-specialised (a producer warpgroup)
+  WgmmaWs64 = 6,     // 64 tokens x 256 weight rows, the same warp-specialised tile for fewer rows an expert
+  WgmmaWs32 = 7,     // 32 tokens x 256 weight rows, the same
 };
 const char* to_string(GemmTile t);
 

@@ -84,6 +84,8 @@ class GemmTile(enum.IntEnum):
     Wgmma64 = 3        # 64 tokens a tile, sm_90a wgmma with the weights as register A
     WeightsAsA16 = 4   # up to 16 tokens a tile, weights as the mma A operand
     WgmmaWs128 = 5     # 128 tokens x 256 weight rows, sm_90a wgmma, warp-specialised
+    WgmmaWs64 = 6      # 64 tokens x 256 weight rows, the same warp-specialised tile
+    WgmmaWs32 = 7      # 32 tokens x 256 weight rows, the same
 
 
 # fp4moe::DType values (dtype hints passed to the extension).

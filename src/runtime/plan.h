@@ -229,7 +229,7 @@ constexpr int64_t kWsRows = 80, kWsMinI = 192;
 // least kWsSubWaves blocks an SM (MoePlan::ws_sub1).
 constexpr int64_t kWsMaxSub = 4, kWsSubMaxK = 1024, kWsSubWaves = 16;
 
-constexpr int kNumGemmConfigs = 6;
+constexpr int kNumGemmConfigs = 8;
 inline constexpr GemmConfig kGemmConfigs[kNumGemmConfigs] = {
     {8, 128, 64, 1, 4, 8, true},   // decode: <= 8 rows per expert tile, 32 weight rows a warp, many bytes in flight
     {32, 128, 64, 1, 4, 6, true},  // up to 512 rows an expert (plan.cpp), in tiles of <= 32 rows
@@ -242,6 +242,9 @@ inline constexpr GemmConfig kGemmConfigs[kNumGemmConfigs] = {
     // sm_90a, many rows an expert: 128 tokens x 256 weight rows, two math warpgroups of 128 weight rows (32 a warp),
     // a producer warpgroup; one block an SM (the chunk sums take 128 KB).
     {128, 256, 64, 1, 8, 3, true, true, true},
+    // The same with 64 tokens: half the chunk sums (64 KB), so eight stages in flight.
+    {64, 256, 64, 1, 8, 8, true, true, true},
+    {32, 256, 64, 1, 8, 10, true, true, true},
     // (A 128-token wgmma tile with producer warps and one persistent block an SM was retired: with the tile bands
     // it was never faster than the one above; it is in git history up to revision 1ee7f89.)
 };

@@ -47,6 +47,8 @@ const char* to_string(GemmTile t) {
     case GemmTile::Wgmma64: return "Wgmma64";
     case GemmTile::WeightsAsA16: return "WeightsAsA16";
     case GemmTile::WgmmaWs128: return "WgmmaWs128";
+    case GemmTile::WgmmaWs64: return "WgmmaWs64";
+    case GemmTile::WgmmaWs32: return "WgmmaWs32";
   }
   return "?";
 }

@@ -241,7 +241,7 @@ def test_gemm_tile_argument():
     for tile in (0, 1, 2, 4, "WeightsAsA32", "WeightsAsA16", fp4moe.GemmTile.TokensAsA64, "auto"):
         assert fp4moe.moe(x, w, gemm_tile=tile, **kw).view(np.uint16).tobytes() == y.view(np.uint16).tobytes()
     assert [t.name for t in fp4moe.GemmTile] == ["Auto", "SplitKDecode", "WeightsAsA32", "TokensAsA64", "Wgmma64",
-                                               "WeightsAsA16", "WgmmaWs128"]
+                                               "WeightsAsA16", "WgmmaWs128", "WgmmaWs64", "WgmmaWs32"]
     sentinel = np.full((T, H), 7.0, dtype=BF16)
     for bad in (-2, 99, "tile4", 1.0):
         with pytest.raises(fp4moe.Fp4MoeError, match="gemm_tile"):

@@ -36,7 +36,7 @@ int usage() {
       "  --mode a16|a4       activation mode (default a16); a4: FC1/FC2 input scales 1/448 and 12/2688 (x is N(0,1)),\n"
       "                      the shape's name gets +a4\n"
       "  --tile NAME         force a GEMM tile (GemmTile: SplitKDecode, WeightsAsA32, TokensAsA64, Wgmma64,\n"
-      "                      WeightsAsA16, WgmmaWs128, or 0..5), default: the plan's choice\n"
+      "                      WeightsAsA16, WgmmaWs128, WgmmaWs64, WgmmaWs32, or 0..7), default: the plan's choice\n"
       "  --workspace-budget M  workspace budget in MiB (MoeArgs::workspace_budget; default: the library's, plan.h)\n"
       "  --quick             tokens 1,64,1024 and no extra repeats\n"
       "  --json FILE         write the results as JSON\n"

@@ -26,7 +26,8 @@ template <GemmTile T> constexpr bool a4_fusion_matches() {  // in both weight fo
 }
 static_assert(a4_fusion_matches<GemmTile::SplitKDecode>() && a4_fusion_matches<GemmTile::WeightsAsA32>() &&
                   a4_fusion_matches<GemmTile::TokensAsA64>() && a4_fusion_matches<GemmTile::Wgmma64>() &&
-                  a4_fusion_matches<GemmTile::WeightsAsA16>() && a4_fusion_matches<GemmTile::WgmmaWs128>(),
+                  a4_fusion_matches<GemmTile::WeightsAsA16>() && a4_fusion_matches<GemmTile::WgmmaWs128>() &&
+                  a4_fusion_matches<GemmTile::WgmmaWs64>() && a4_fusion_matches<GemmTile::WgmmaWs32>(),
               "gemm_a4_fusable differs from the kernels' fused A4 epilogue");
 
 template <class Cfg, class Epi, class Act>
@@ -63,6 +64,8 @@ template <bool FP4, bool MX, class F> void with_tile(int config, F&& f) {
     case GemmTile::TokensAsA64: f(TileOf<GemmTile::TokensAsA64, FP4, MX>{}); break;
     case GemmTile::WeightsAsA16: f(TileOf<GemmTile::WeightsAsA16, FP4, MX>{}); break;
     case GemmTile::WgmmaWs128: f(TileOf<GemmTile::WgmmaWs128, FP4, MX>{}); break;
+    case GemmTile::WgmmaWs64: f(TileOf<GemmTile::WgmmaWs64, FP4, MX>{}); break;
+    case GemmTile::WgmmaWs32: f(TileOf<GemmTile::WgmmaWs32, FP4, MX>{}); break;
     default: f(TileOf<GemmTile::Wgmma64, FP4, MX>{}); break;
   }
 }

@@ -60,10 +60,11 @@ template <class C> __device__ __forceinline__ uint8_t* stage_base(uint8_t* smem)
 template <GemmTile tile, bool FP4, bool MX = false, GemmConfig g = kGemmConfigs[static_cast<int>(tile)]>
 using TileOf = TileConfig<g.bm, gemm_bn(g, FP4), g.warps_m, g.warps_n, gemm_stages(g, FP4), FP4, g.weights_as_a,
                           g.wgmma, g.ws, MX>;
-static_assert(kNumGemmConfigs == 6 && static_cast<int>(GemmTile::SplitKDecode) == 0 &&
+static_assert(kNumGemmConfigs == 8 && static_cast<int>(GemmTile::SplitKDecode) == 0 &&
                   static_cast<int>(GemmTile::WeightsAsA32) == 1 && static_cast<int>(GemmTile::TokensAsA64) == 2 &&
                   static_cast<int>(GemmTile::Wgmma64) == 3 && static_cast<int>(GemmTile::WeightsAsA16) == 4 &&
-                  static_cast<int>(GemmTile::WgmmaWs128) == 5,
+                  static_cast<int>(GemmTile::WgmmaWs128) == 5 && static_cast<int>(GemmTile::WgmmaWs64) == 6 &&
+                  static_cast<int>(GemmTile::WgmmaWs32) == 7,
               "GemmTile names the rows of kGemmConfigs");
 constexpr bool every_tile_steps_64() {
   for (const GemmConfig& c : kGemmConfigs)
