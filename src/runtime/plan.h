@@ -248,7 +248,6 @@ inline constexpr GemmConfig kGemmConfigs[kNumGemmConfigs] = {
     // (A 128-token wgmma tile with producer warps and one persistent block an SM was retired: with the tile bands
     // it was never faster than the one above; it is in git history up to revision 1ee7f89.)
 };
-constexpr int gemm_stages(const GemmConfig& g, bool) { return g.stages; }
 // The stage bytes of a tile (tokens, weights, their scales) and its dynamic shared memory: a wgmma tile's stages
 // start 1024-byte aligned (the 128-byte swizzle's atom), with 1 KB to align the base (src/cuda/gemm/tile_config.cuh).
 // The weight rows of a tile for a weight format: a warp-specialised tile's bf16 weights take half of them.
@@ -258,11 +257,20 @@ constexpr int64_t gemm_stage_bytes(const GemmConfig& g, bool fp4) {
   const int64_t b = fp4 ? bn * (g.bk / 2 + g.bk / 16) : bn * g.bk * 2, raw = g.bm * g.bk * 2 + b;
   return g.wgmma ? (raw + 1023) / 1024 * 1024 : raw;
 }
+// wgmma: a float4 a thread per 8 tokens and 16 weight rows of its warp.
+constexpr int64_t gemm_chunk_sum_bytes(const GemmConfig& g, bool fp4) {
+  return g.wgmma ? int64_t(g.threads()) * (g.bm / 8) * (gemm_bn(g, fp4) / g.warps_n / 16) * 16 : 0;
+}
+// A warp-specialised tile keeps its dynamic shared memory within kWsSmemCap (sm_90's 227 KB a block less the WS
+// kernel's static shared memory, up to about 8 KB): its bf16 form, twice the weight bytes a stage, runs fewer stages.
+constexpr int64_t kWsSmemCap = 212 * 1024;
+constexpr int gemm_stages(const GemmConfig& g, bool fp4) {
+  int s = g.stages;
+  while (g.ws && s > 2 && s * gemm_stage_bytes(g, fp4) + 1024 + gemm_chunk_sum_bytes(g, fp4) > kWsSmemCap) --s;
+  return s;
+}
 constexpr int64_t gemm_smem_bytes(const GemmConfig& g, bool fp4) {
-  // wgmma: a float4 a thread per 8 tokens and 16 weight rows of its warp.
-  const int64_t chunk_sums =
-      g.wgmma ? int64_t(g.threads()) * (g.bm / 8) * (gemm_bn(g, fp4) / g.warps_n / 16) * 16 : 0;
-  return gemm_stages(g, fp4) * gemm_stage_bytes(g, fp4) + (g.wgmma ? 1024 : 0) + chunk_sums;
+  return gemm_stages(g, fp4) * gemm_stage_bytes(g, fp4) + (g.wgmma ? 1024 : 0) + gemm_chunk_sum_bytes(g, fp4);
 }
 
 // Throws Error(InvalidArgument/Unsupported) naming the argument for shapes the kernels cannot take.
