@@ -170,9 +170,14 @@ MoePlan make_plan(const ProblemShape& shape) {
   // The warp-specialised wgmma tile (128 tokens x 256 weight rows, one block an SM) from kWsRows expected rows an
   // expert on experts of I >= kWsMinI, NVFP4 weights without LoRA (the cases measured: bench/NOTES.md, "A warp-
   // specialised wgmma tile"; I = 192, qwen3_30b_a3b_tp4, since the token-major epilogue: T = 4096 / 16384 0.86 /
-  // 0.82 of Wgmma64's time); below, its mostly empty 128-row tiles and 256-row tiles past N lose to Wgmma64.
+  // 0.82 of Wgmma64's time); below, its mostly empty 128-row tiles.
+  // Where Wgmma64 would run, its 64-token form WgmmaWs64 on experts of I >= kWs64MinI (measured 2026-12-07, forced
+  // tiles on the SPEC shapes at 32-64 rows an expert: 0.90-1.01 of Wgmma64's time, median 0.98; I = 192 1.02-1.08),
+  // and its 32-token form WgmmaWs32 up to kWs32MaxRows where H and I are both at least kWs32MinK (mixtral_8x7b
+  // T = 64, 16 rows: 0.83; on shorter K, or past 20 rows where an expert's rows often pass 32, 1.07-1.5).
   const bool fp4 = is_fp4(s.format);  // MXFP4 shares NVFP4's prepared layout and kernels
-  const bool ws = fp4 && !s.has_lora && avg_rows >= kWsRows && s.I >= kWsMinI;
+  const bool ws_ok = fp4 && !s.has_lora;
+  const bool ws = ws_ok && avg_rows >= kWsRows && s.I >= kWsMinI;
   auto choose = [&](bool wgmma) {
     GemmTile t = GemmTile::TokensAsA64;
     if (wgmma && ws) t = GemmTile::WgmmaWs128;
@@ -181,6 +186,10 @@ MoePlan make_plan(const ProblemShape& shape) {
     else if (avg_rows <= 12) t = GemmTile::WeightsAsA16;
     else if (few_experts && wgmma) t = GemmTile::Wgmma64;
     else if (avg_rows <= 512) t = GemmTile::WeightsAsA32;
+    if (t == GemmTile::Wgmma64 && ws_ok) {
+      if (avg_rows <= kWs32MaxRows && H >= kWs32MinK && s.I >= kWs32MinK) t = GemmTile::WgmmaWs32;
+      else if (s.I >= kWs64MinI) t = GemmTile::WgmmaWs64;
+    }
     return static_cast<int>(t);
   };
   p.gemm_config = s.gemm_config >= 0 ? s.gemm_config : choose(s.device.wgmma);

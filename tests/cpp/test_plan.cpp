@@ -41,9 +41,15 @@ void check_plan(const ProblemShape& s, std::mt19937_64& rng) {
     // Layers of at most kFewExperts experts take it above 12 rows an expert too (the 16-row tile from 9 to 12).
     const bool few = E_total <= kFewExperts;
     const bool wgmma_tile = (p.rows >= 32 * E_total && !lora_thin) || (few && p.rows > 12 * E_total);
-    const bool ws_tile = s.format == WeightFormat::NVFP4 && !s.has_lora && s.I >= kWsMinI &&
-                         (p.rows + E_total - 1) / E_total >= kWsRows;
-    EXPECT_EQ(pw.gemm_config, ws_tile ? 5 : wgmma_tile ? 3 : p.gemm_config);
+    // The warp-specialised tiles (4-bit weights, no LoRA): 128 tokens from kWsRows (I >= kWsMinI); where the 64-token
+    // wgmma tile would run, 32 tokens up to kWs32MaxRows on long K (H, I >= kWs32MinK), else 64 on I >= kWs64MinI.
+    const bool ws = s.format != WeightFormat::BF16 && !s.has_lora;
+    const int64_t avg = (p.rows + E_total - 1) / E_total;
+    int expect = wgmma_tile ? 3 : p.gemm_config;
+    if (ws && avg >= kWsRows && s.I >= kWsMinI) expect = 5;
+    else if (ws && expect == 3 && avg <= kWs32MaxRows && s.H >= kWs32MinK && s.I >= kWs32MinK) expect = 7;
+    else if (ws && expect == 3 && s.I >= kWs64MinI) expect = 6;
+    EXPECT_EQ(pw.gemm_config, expect);
     if (few && p.rows > 0 && p.rows <= 8 * E_total) EXPECT_EQ(p.gemm_config, 0);
     if (few && p.rows > 8 * E_total && p.rows <= 12 * E_total)
       EXPECT_EQ(p.gemm_config, static_cast<int>(GemmTile::WeightsAsA16));
@@ -387,7 +393,8 @@ TEST(Plan, WsSubTilesOnShortK) {
   ASSERT_EQ(mixtral.gemm_config, static_cast<int>(GemmTile::WgmmaWs128));
   EXPECT_EQ(mixtral.ws_sub1, 1);
   EXPECT_EQ(mixtral.ws_sub2, 1);
-  // qwen3_30b_a3b_tp4 (I = 192): the WS tile from 80 rows an expert (T = 4096: 256), Wgmma64 at T = 1024 (64).
+  // qwen3_30b_a3b_tp4 (I = 192): the WS tile from 80 rows an expert (T = 4096: 256); at T = 1024 (64 rows) Wgmma64,
+  // its experts too thin for the 64-token WS form.
   s.T = 4096; s.H = 2048; s.I = 192; s.E_loc = s.E_total = 128; s.k = 8;
   const MoePlan tp4 = make_plan(s);
   EXPECT_EQ(tp4.gemm_config, static_cast<int>(GemmTile::WgmmaWs128));
@@ -395,6 +402,9 @@ TEST(Plan, WsSubTilesOnShortK) {
   EXPECT_EQ(tp4.ws_sub2, 4);
   s.T = 1024;
   EXPECT_EQ(make_plan(s).gemm_config, static_cast<int>(GemmTile::Wgmma64));
+  s.I = 384;  // kimi_k3_tp8's experts: the 64-token WS form
+  EXPECT_EQ(make_plan(s).gemm_config, static_cast<int>(GemmTile::WgmmaWs64));
+  s.I = 192;
   s.device.wgmma = false;  // no WS tile, no sub-tiles
   const MoePlan old = make_plan(s);
   EXPECT_EQ(old.ws_sub1, 1);
@@ -472,13 +482,13 @@ TEST(Plan, LoraNeverChangesChunkingOrTiles) {
       EXPECT_EQ(p.act.offset, p0.act.offset);
       EXPECT_GE(p.workspace_bytes, p0.workspace_bytes);
       // On a wgmma device LoRA may keep the 32-row tile where the base takes the wgmma tile, or the 64-token wgmma
-      // tile where the base takes the warp-specialised one (plan.cpp); the chunking and the base buffers' layout stay.
+      // tile where the base takes a warp-specialised one (plan.cpp); the chunking and the base buffers' layout stay.
       ProblemShape bw = base, sw = s;
       bw.device.wgmma = sw.device.wgmma = true;
       const MoePlan pb = make_plan(bw), ps = make_plan(sw);
       EXPECT_EQ(ps.chunk_tokens, pb.chunk_tokens);
       EXPECT_TRUE(ps.gemm_config == pb.gemm_config || (pb.gemm_config == 3 && ps.gemm_config == p.gemm_config) ||
-                  (pb.gemm_config == 5 && (ps.gemm_config == 3 || ps.gemm_config == p.gemm_config)));
+                  (kGemmConfigs[pb.gemm_config].ws && (ps.gemm_config == 3 || ps.gemm_config == p.gemm_config)));
       EXPECT_EQ(ps.out.offset, pb.out.offset);
       EXPECT_EQ(ps.act.offset, pb.act.offset);
       check_plan(s, rng);

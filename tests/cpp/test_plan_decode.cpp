@@ -65,21 +65,24 @@ TEST(Plan, EpTileCountsRowsOverAllExperts) {
 }
 
 // The 16-row tile takes 5-12 expected rows an expert (rows / E_total), below it the 8-row tile, above it the
-// 32-row one; on a layer of few experts it takes 9-12 rows an expert between the 8-row and the wgmma tiles
-// (measured 2026-12-03 on one H200: bench/NOTES.md).
+// 32-row one (the 64-token WS tile from 32 rows); on a layer of few experts it takes 9-12 rows an expert between the
+// 8-row tile and the wgmma tiles, whose 32-token WS form takes mixtral_8x7b's long K up to 20 rows (measured
+// 2026-12-03 and 2026-12-07: bench/NOTES.md).
 TEST(Plan, SixteenRowTileBetweenTheDecodeTiles) {
   const int t8 = static_cast<int>(GemmTile::SplitKDecode), t16 = static_cast<int>(GemmTile::WeightsAsA16),
-            t32 = static_cast<int>(GemmTile::WeightsAsA32), wg = static_cast<int>(GemmTile::Wgmma64);
+            t32 = static_cast<int>(GemmTile::WeightsAsA32), ws32 = static_cast<int>(GemmTile::WgmmaWs32),
+            ws64 = static_cast<int>(GemmTile::WgmmaWs64);
   ProblemShape s;
   s.device.wgmma = true;
   s.H = 2880; s.I = 2880; s.E_loc = s.E_total = 128; s.k = 4;  // gpt_oss_120b: rows / 128 = T / 32
   for (auto [T, tile] : {std::pair<int64_t, int>{128, t8}, {160, t16}, {256, t16}, {384, t16}, {416, t32},
-                         {512, t32}}) {
+                         {512, t32}, {1024, ws64}}) {
     s.T = T;
     EXPECT_EQ(make_plan(s).gemm_config, tile) << "T=" << T;
   }
   s.H = 4096; s.I = 14336; s.E_loc = s.E_total = 8; s.k = 2;  // mixtral_8x7b: rows / 8 = T / 4
-  for (auto [T, tile] : {std::pair<int64_t, int>{32, t8}, {36, t16}, {48, t16}, {52, wg}, {64, wg}}) {
+  for (auto [T, tile] : {std::pair<int64_t, int>{32, t8}, {36, t16}, {48, t16}, {52, ws32}, {80, ws32}, {84, ws64},
+                         {128, ws64}}) {
     s.T = T;
     EXPECT_EQ(make_plan(s).gemm_config, tile) << "T=" << T;
   }

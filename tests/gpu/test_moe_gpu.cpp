@@ -235,7 +235,7 @@ void expect_sub_batch_equal(const Case& c, const Inputs& in, const Layer& layer,
 TEST(GpuBatchInvariance, SubBatchesEqualFullBatch) {
   FP4MOE_SKIP_WITHOUT_GPU();
   // Full batches of 300 tokens over 32 experts (75 rows an expert: the 32-row weights-as-A tile) and of 1100 over 16
-  // (550 rows an expert, one chunk: the 64-row tile; both the wgmma tile on an H200; plan.cpp's thresholds) against
+  // (550 rows an expert, one chunk: the 64-row tile; both a wgmma tile on an H200; plan.cpp's thresholds) against
   // sub-batches of 1 and 4 tokens (the 8-row tile, split-K), and the full batch again with every tile forced
   // (MoeArgs::gemm_tile): mma.sync and wgmma, tokens as A or B. Modes 0-3: NVFP4 A16 / A4 with a shared expert;
   // mode 4: bf16 weights.
@@ -256,8 +256,9 @@ TEST(GpuBatchInvariance, SubBatchesEqualFullBatch) {
     const auto y = run_gpu(layer->gpu, *call);
     ProblemShape ps = problem_shape(c);
     ps.device.wgmma = wgmma;
-    // The 1100-token NVFP4 batches (550 rows an expert, I = 384) take the warp-specialised tile on a wgmma device.
-    const int wgmma_tile = mode == 2 || mode == 3 ? 5 : 3;
+    // On a wgmma device the NVFP4 batches take the warp-specialised tile: 128 tokens at 550 rows an expert, 64 at 75
+    // (I = 384); bf16 weights the 64-token wgmma tile.
+    const int wgmma_tile = mode == 2 || mode == 3 ? 5 : mode < 2 ? 6 : 3;
     EXPECT_EQ(make_plan(ps).gemm_config, wgmma ? wgmma_tile : (mode < 2 ? 1 : 2))
         << "the full batch's tile (mode " << mode << ")";
     for (int tile = 0; tile < kNumGemmConfigs; ++tile) {
