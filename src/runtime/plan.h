@@ -245,7 +245,7 @@ inline constexpr GemmConfig kGemmConfigs[kNumGemmConfigs] = {
     // sm_90a, many rows an expert: 128 tokens x 256 weight rows, two math warpgroups of 128 weight rows (32 a warp),
     // a producer warpgroup; one block an SM (the chunk sums take 128 KB).
     {128, 256, 64, 1, 8, 3, true, true, true},
-    // The same with 64 tokens: half the chunk sums (64 KB), so eight stages in flight.
+    // The same with 64 and 32 tokens: half and a quarter of the chunk sums (64 and 32 KB), so eight and ten stages.
     {64, 256, 64, 1, 8, 8, true, true, true},
     {32, 256, 64, 1, 8, 10, true, true, true},
     // (A 128-token wgmma tile with producer warps and one persistent block an SM was retired: with the tile bands
@@ -264,16 +264,20 @@ constexpr int64_t gemm_stage_bytes(const GemmConfig& g, bool fp4) {
 constexpr int64_t gemm_chunk_sum_bytes(const GemmConfig& g, bool fp4) {
   return g.wgmma ? int64_t(g.threads()) * (g.bm / 8) * (gemm_bn(g, fp4) / g.warps_n / 16) * 16 : 0;
 }
+// A tile's dynamic shared memory with `stages` stages.
+constexpr int64_t gemm_smem_bytes_at(const GemmConfig& g, bool fp4, int stages) {
+  return stages * gemm_stage_bytes(g, fp4) + (g.wgmma ? 1024 : 0) + gemm_chunk_sum_bytes(g, fp4);
+}
 // A warp-specialised tile keeps its dynamic shared memory within kWsSmemCap (sm_90's 227 KB a block less the WS
 // kernel's static shared memory, up to about 8 KB): its bf16 form, twice the weight bytes a stage, runs fewer stages.
 constexpr int64_t kWsSmemCap = 212 * 1024;
 constexpr int gemm_stages(const GemmConfig& g, bool fp4) {
   int s = g.stages;
-  while (g.ws && s > 2 && s * gemm_stage_bytes(g, fp4) + 1024 + gemm_chunk_sum_bytes(g, fp4) > kWsSmemCap) --s;
+  while (g.ws && s > 2 && gemm_smem_bytes_at(g, fp4, s) > kWsSmemCap) --s;
   return s;
 }
 constexpr int64_t gemm_smem_bytes(const GemmConfig& g, bool fp4) {
-  return gemm_stages(g, fp4) * gemm_stage_bytes(g, fp4) + (g.wgmma ? 1024 : 0) + gemm_chunk_sum_bytes(g, fp4);
+  return gemm_smem_bytes_at(g, fp4, gemm_stages(g, fp4));
 }
 
 // Throws Error(InvalidArgument/Unsupported) naming the argument for shapes the kernels cannot take.
