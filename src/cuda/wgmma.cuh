@@ -4,6 +4,7 @@
 // r * 128 + ((c ^ (r & 7)) << 4), 1024-byte aligned stage): wgmma's SWIZZLE_128B K-major layout.
 #pragma once
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/wgmma_ops.cuh"
 
@@ -23,6 +24,16 @@ __device__ __forceinline__ uint64_t wgmma_desc_sw128(uint32_t addr) {
 // a loop's descriptors cost one add each instead of the mask, shift and or of every address.
 __device__ __forceinline__ uint64_t wgmma_desc_advance(uint64_t d, uint32_t bytes) {
   return (d & 0xffffffff00000000ull) | static_cast<uint32_t>(static_cast<uint32_t>(d) + (bytes >> 4));
+}
+
+// f(std::integral_constant<int, NG>) for the first NG of the list that holds `groups` token groups (of 8), the last
+// one else: the one branch a tile takes to a mainloop of wgmmas of N = 8 NG.
+template <int G, class F> __device__ __forceinline__ void with_token_groups(int, F&& f) {
+  f(std::integral_constant<int, G>{});
+}
+template <int G, int G2, int... Gs, class F> __device__ __forceinline__ void with_token_groups(int groups, F&& f) {
+  if (groups <= G) return f(std::integral_constant<int, G>{});
+  with_token_groups<G2, Gs...>(groups, f);
 }
 
 // Orders this thread's register writes (the A fragments, the accumulators) before the wgmmas that read them.

@@ -5,7 +5,8 @@
 // epilogue. Block (x, y) = (m tile, g.ws_sub n tiles) in the band order (grid_tile), the n tiles one after the other
 // (one set of row lookups; the producer loads the next one's first stages during the epilogue of the one before).
 // Reads top to bottom: schedule, roles, the epilogue's lookups beside the first copies, then each n tile's mainloop
-// chunk by chunk and its epilogue group by group.
+// chunk by chunk and its epilogue group by group. The wgmmas multiply the tile's token rows rounded up to 16
+// (with_tile_tokens), not always BM: an expert's last m tile often holds a few rows.
 //
 // Bits: the canonical K order (k_order.cuh) as every tile: a chunk's chain of k16 steps from zero in registers,
 // chunk sums added in chunk order in shared memory (a float4 a thread and accumulator, after the stages). No split-K.
@@ -22,6 +23,15 @@
 #include "cuda/pdl.cuh"
 
 namespace fp4moe::cuda_backend {
+
+// A tile of G token groups: its wgmma N in steps of 16 tokens, but the 128-token tile's in two (64, 128): with a third
+// its 128 accumulators left ptxas too few registers to pipeline the wgmmas (C7511) under the 168 a thread.
+template <int G, class F> __device__ __forceinline__ void with_tile_tokens(int groups, F&& f) {
+  static_assert(G == 4 || G == 8 || G == 16, "the WS tiles' 32, 64 and 128 tokens");
+  if constexpr (G == 4) dev::with_token_groups<2, 4>(groups, f);
+  else if constexpr (G == 8) dev::with_token_groups<2, 4, 6, 8>(groups, f);
+  else dev::with_token_groups<8, 16>(groups, f);
+}
 
 // The registers a thread of each role keeps (setmaxnreg): 128 * kWsProducerRegs + THREADS * kWsMathRegs <= 64 K.
 constexpr int kWsProducerRegs = 56, kWsMathRegs = 224;
@@ -65,22 +75,28 @@ __global__ void __launch_bounds__(Cfg::BLOCK_THREADS, 1) ws_wgmma_gemm_kernel(Ge
   Math math(ring);
   for (int u = 0; u < subs; ++u) {
     const int n0 = nb + u * Cfg::BN;
-    float part[RG][GROUPS][4];
-    for (int kc = 0; kc < KB; kc += kChunkBlocks) {  // one K chunk: one chain per output
+    // The tile's mainloop over NG groups of 8 tokens, its token groups rounded up as with_tile_tokens allows (the
+    // wgmma's N), so that an expert's last, short m tile multiplies few columns; the sums of those groups.
+    with_tile_tokens<GROUPS>(groups, [&](auto ng) {
+      constexpr int NG = decltype(ng)::value;
+      float part[RG][NG][4];
+      for (int kc = 0; kc < KB; kc += kChunkBlocks) {  // one K chunk: one chain per output
 #pragma unroll
-      for (int r = 0; r < RG; ++r)
+        for (int r = 0; r < RG; ++r)
 #pragma unroll
-        for (int i = 0; i < GROUPS; ++i)
+          for (int i = 0; i < NG; ++i)
 #pragma unroll
-          for (int q = 0; q < 4; ++q) part[r][i][q] = 0.f;
-      math.chunk(part, smem, ring, kc, min(kc + kChunkBlocks, KB));
-      if (tm && kc + kChunkBlocks >= KB) {
-        Epilogue::store_token_major(sums_base, part, kc == 0);
-      } else {
+            for (int q = 0; q < 4; ++q) part[r][i][q] = 0.f;
+        math.template chunk<NG>(part, smem, ring, kc, min(kc + kChunkBlocks, KB));
+        if (tm && kc + kChunkBlocks >= KB) {
+          Epilogue::store_token_major(sums_base, part, kc == 0);
+        } else {
 #pragma unroll
-        for (int r = 0; r < RG; ++r) add_chunk_shared<RG * Cfg::THREADS>(sums + r * Cfg::THREADS, part[r], kc == 0);
+          for (int r = 0; r < RG; ++r)
+            add_chunk_shared<RG * Cfg::THREADS>(sums + r * Cfg::THREADS, part[r], kc == 0);
+        }
       }
-    }
+    });
 
     Epilogue epi(ep, tr, n0 + (static_cast<int>(threadIdx.x) >> 5) * 16 * RG, rows);
     if (u == 0) dev::named_sync<Cfg::THREADS>();  // the row lookups

@@ -1,7 +1,8 @@
 // The mainloop of the warp-specialised wgmma tile (sm_90a), run by its math warps: wait for a stage, decode this
 // warp's weight rows into register A fragments, wgmma them against the stage's BM tokens (shared B), hand the stage
 // back. Each warp has RG row groups of 16 weight rows (32 rows for NVFP4, 16 for bf16 weights); row group r of the
-// warpgroup's four warps is one m64 wgmma tile, so a warpgroup multiplies 64 * RG weight rows by BM tokens.
+// warpgroup's four warps is one m64 wgmma tile, so a warpgroup multiplies 64 * RG weight rows by the stage's first
+// 8 * NG of its BM tokens (the tile's rows rounded up to 16: kernel_ws_wgmma.cuh).
 //
 // The decode of one row group ("unit") runs while the wgmmas of the unit before it run: two fragment buffers, each
 // refilled once the unit two back completed (wgmma_wait<1>); one commit group a unit. A stage goes back to the
@@ -37,10 +38,12 @@ template <class Cfg> struct WsWgmmaMath {
 #endif
   }
 
-  // part[r] += the products of k-blocks [kb_begin, kb_end) (a chunk's chain: part is zero at the call). Every
-  // token row is multiplied (rows past the tile are zero-filled, their outputs never stored).
-  __device__ __forceinline__ void chunk(float (&part)[RG][GROUPS][4], const uint8_t* smem, const Ring& ring,
+  // part[r] += the products of k-blocks [kb_begin, kb_end) (a chunk's chain: part is zero at the call) for the
+  // stage's first 8 * NG token rows (the wgmma's N; rows past the tile are zero-filled, their outputs never stored).
+  template <int NG>
+  __device__ __forceinline__ void chunk(float (&part)[RG][NG][4], const uint8_t* smem, const Ring& ring,
                                         int kb_begin, int kb_end) {
+    static_assert(NG >= 1 && NG <= GROUPS, "the stage's token rows");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     uint32_t wa[2][4][4];
     // One unit: row group r of the stage at offset off (from the ring's base), decoded into w.
@@ -50,7 +53,7 @@ template <class Cfg> struct WsWgmmaMath {
       dev::wgmma_fence();
 #pragma unroll
       for (int s = 0; s < 4; ++s)
-        dev::Wgmma<Cfg::BM>::rs(part[r], w[s], dev::wgmma_desc_advance(desc0, off + 32 * s), true);
+        dev::Wgmma<8 * NG>::rs(part[r], w[s], dev::wgmma_desc_advance(desc0, off + 32 * s), true);
       dev::wgmma_commit();
     };
     auto next_stage = [&](uint32_t& off) {
