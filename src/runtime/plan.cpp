@@ -170,7 +170,10 @@ MoePlan make_plan(const ProblemShape& shape) {
   // The warp-specialised wgmma tile (128 tokens x 256 weight rows, one block an SM) from kWsRows expected rows an
   // expert on experts of I >= kWsMinI, NVFP4 weights without LoRA (the cases measured: bench/NOTES.md, "A warp-
   // specialised wgmma tile"; I = 192, qwen3_30b_a3b_tp4, since the token-major epilogue: T = 4096 / 16384 0.86 /
-  // 0.82 of Wgmma64's time); below, its mostly empty 128-row tiles.
+  // 0.82 of Wgmma64's time); from 64 since its wgmmas take a tile of up to 64 rows as 64 tokens (2026-12-07, at 64
+  // expected rows against the plan's 64-token tiles: mixtral_8x7b T = 256 0.82, deepseek_v3_ep8 T = 2048 0.89,
+  // gpt_oss_120b T = 2048 0.95, qwen3_30b_a3b T = 1024 0.97, qwen3_30b_a3b_tp4 T = 1024 0.98; at 32-43 rows
+  // 1.13-1.17); below, its mostly empty 128-row tiles.
   // Where Wgmma64 would run, its 64-token form WgmmaWs64 on experts of I >= kWs64MinI (measured 2026-12-07, forced
   // tiles on the SPEC shapes at 32-64 rows an expert: 0.90-1.01 of Wgmma64's time, median 0.98; I = 192 1.02-1.08),
   // and its 32-token form WgmmaWs32 up to kWs32MaxRows where H and I are both at least kWs32MinK (mixtral_8x7b

@@ -224,7 +224,7 @@ constexpr int64_t kFewExperts = 16;
 // 32 (make_plan's tile choice; measured on qwen3_30b_a3b_tp4, I = 192: bench/NOTES.md).
 constexpr int64_t kLoraThinI = 256, kLoraThinRows = 80;
 // The warp-specialised wgmma tile from this many expected rows an expert, on experts of I >= kWsMinI (make_plan).
-constexpr int64_t kWsRows = 80, kWsMinI = 192;
+constexpr int64_t kWsRows = 64, kWsMinI = 192;
 // Its 64-token form where the plan would take Wgmma64, on experts of I >= kWs64MinI; its 32-token form up to
 // kWs32MaxRows expected rows an expert where both GEMMs' K (H and I) are at least kWs32MinK (make_plan).
 constexpr int64_t kWs64MinI = 384, kWs32MaxRows = 20, kWs32MinK = 4096;

@@ -393,14 +393,16 @@ TEST(Plan, WsSubTilesOnShortK) {
   ASSERT_EQ(mixtral.gemm_config, static_cast<int>(GemmTile::WgmmaWs128));
   EXPECT_EQ(mixtral.ws_sub1, 1);
   EXPECT_EQ(mixtral.ws_sub2, 1);
-  // qwen3_30b_a3b_tp4 (I = 192): the WS tile from 80 rows an expert (T = 4096: 256); at T = 1024 (64 rows) Wgmma64,
-  // its experts too thin for the 64-token WS form.
+  // qwen3_30b_a3b_tp4 (I = 192): the WS tile from 64 rows an expert (T = 4096: 256; T = 1024: 64); at T = 512 (32
+  // rows) Wgmma64, its experts too thin for the 64-token WS form.
   s.T = 4096; s.H = 2048; s.I = 192; s.E_loc = s.E_total = 128; s.k = 8;
   const MoePlan tp4 = make_plan(s);
   EXPECT_EQ(tp4.gemm_config, static_cast<int>(GemmTile::WgmmaWs128));
   EXPECT_EQ(tp4.ws_sub1, 1);
   EXPECT_EQ(tp4.ws_sub2, 4);
   s.T = 1024;
+  EXPECT_EQ(make_plan(s).gemm_config, static_cast<int>(GemmTile::WgmmaWs128));
+  s.T = 512;
   EXPECT_EQ(make_plan(s).gemm_config, static_cast<int>(GemmTile::Wgmma64));
   s.I = 384;  // kimi_k3_tp8's experts: the 64-token WS form
   EXPECT_EQ(make_plan(s).gemm_config, static_cast<int>(GemmTile::WgmmaWs64));
