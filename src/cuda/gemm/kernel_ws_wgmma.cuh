@@ -5,7 +5,7 @@
 // epilogue. Block (x, y) = (m tile, g.ws_sub n tiles) in the band order (grid_tile), the n tiles one after the other
 // (one set of row lookups; the producer loads the next one's first stages during the epilogue of the one before).
 // Reads top to bottom: schedule, roles, the epilogue's lookups beside the first copies, then each n tile's mainloop
-// chunk by chunk and its epilogue group by group. The wgmmas multiply the tile's token rows rounded up to 16
+// chunk by chunk and its epilogue group by group. The wgmmas multiply the tile's token rows rounded up
 // (with_tile_tokens), not always BM: an expert's last m tile often holds a few rows.
 //
 // Bits: the canonical K order (k_order.cuh) as every tile: a chunk's chain of k16 steps from zero in registers,

@@ -2,7 +2,7 @@
 // warp's weight rows into register A fragments, wgmma them against the stage's BM tokens (shared B), hand the stage
 // back. Each warp has RG row groups of 16 weight rows (32 rows for NVFP4, 16 for bf16 weights); row group r of the
 // warpgroup's four warps is one m64 wgmma tile, so a warpgroup multiplies 64 * RG weight rows by the stage's first
-// 8 * NG of its BM tokens (the tile's rows rounded up to 16: kernel_ws_wgmma.cuh).
+// 8 * NG of its BM tokens (the tile's rows rounded up: with_tile_tokens, kernel_ws_wgmma.cuh).
 //
 // The decode of one row group ("unit") runs while the wgmmas of the unit before it run: two fragment buffers, each
 // refilled once the unit two back completed (wgmma_wait<1>); one commit group a unit. A stage goes back to the
