@@ -256,9 +256,9 @@ TEST(GpuBatchInvariance, SubBatchesEqualFullBatch) {
     const auto y = run_gpu(layer->gpu, *call);
     ProblemShape ps = problem_shape(c);
     ps.device.wgmma = wgmma;
-    // On a wgmma device the NVFP4 batches take the warp-specialised tile: 128 tokens at 550 rows an expert, 64 at 75
-    // (I = 384); bf16 weights the 64-token wgmma tile.
-    const int wgmma_tile = mode == 2 || mode == 3 ? 5 : mode < 2 ? 6 : 3;
+    // On a wgmma device the NVFP4 batches take the 128-token warp-specialised tile (75 and 550 rows an expert: from
+    // kWsRows); bf16 weights the 64-token wgmma tile.
+    const int wgmma_tile = mode < 4 ? 5 : 3;
     EXPECT_EQ(make_plan(ps).gemm_config, wgmma ? wgmma_tile : (mode < 2 ? 1 : 2))
         << "the full batch's tile (mode " << mode << ")";
     for (int tile = 0; tile < kNumGemmConfigs; ++tile) {
