@@ -292,6 +292,7 @@ PermuteParams permute_params(const Call& c, const Chunk& ch) {
   pp.local_offset = c.local_offset();
   pp.entries_per_block = c.plan.perm_entries;
   pp.num_blocks = static_cast<int>((ch.rows + c.plan.perm_entries - 1) / c.plan.perm_entries);
+  pp.mid = c.plan.perm_mid;
   pp.bm = c.plan.gemm.bm;
   pp.max_tiles = static_cast<int>(c.plan.max_m_tiles);
   pp.block_counts = c.b.block_counts;

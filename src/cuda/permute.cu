@@ -4,7 +4,8 @@
 //   3. place: each block walks its entries in order and gives entry i of expert e the next row of e,
 //      so rows of an expert are in (token, slot) order whatever the scheduling.
 // A chunk of one block's entries runs the three steps in one kernel (permute_one_block_kernel; with LoRA at decode,
-// a block of the x shrink's kernel: permute_one_block.cuh).
+// a block of the x shrink's kernel: permute_one_block.cuh); a chunk of up to kMidPermEntries, in one block of 32
+// warps that each count and place their own run (permute_mid_kernel).
 // With LoRA, order_by_adapter_kernel then sorts each expert's rows by (adapter slot, entry), so that a GEMM tile's
 // 8- or 16-row fragments hold few adapters (the epilogue's expand makes one pass per adapter of a fragment). A row's
 // result does not depend on its position, so the order changes no bits.
@@ -80,6 +81,70 @@ __global__ void __launch_bounds__(kScanThreads) permute_one_block_kernel(Permute
   perm::one_block(p);
 }
 
+// count, scan and place of a chunk of up to kMidPermEntries entries in one block of kMidWarps warps: warp w counts,
+// then places, its own run of entries in order (as place_kernel's blocks do), its counts and then its next rows in
+// its row of a [kMidWarps][E_loc] table in shared memory. Dynamic shared memory: mid_smem_bytes.
+constexpr int kMidWarps = 32, kMidMaxRows = 32767;  // rows in int16
+size_t mid_smem_bytes(int rows, int E) {
+  return static_cast<size_t>(2 * (E + 1)) * sizeof(int) + static_cast<size_t>(kMidWarps * E + rows) * sizeof(int16_t);
+}
+__global__ void __launch_bounds__(kMidWarps * 32) permute_mid_kernel(PermuteParams p) {
+  dev::pdl_wait();
+  dev::pdl_launch_dependents();
+  extern __shared__ int mid_smem[];
+  const int E = p.E_loc, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int* offs = mid_smem;                                        // [E + 1] rows an expert, then its first row
+  int* toffs = offs + E + 1;                                   // [E + 1] tile offsets
+  int16_t* table = reinterpret_cast<int16_t*>(toffs + E + 1);  // [kMidWarps][E] counts, then rows before the warp's
+  int16_t* s_exp = table + kMidWarps * E;                      // [rows] each entry's local expert
+  for (int i = threadIdx.x; i < kMidWarps * E; i += blockDim.x) table[i] = 0;
+  for (int c = threadIdx.x; c < p.num_counters; c += blockDim.x) p.zero_counters[c] = 0;
+  bool bad = false;
+  for (int i = threadIdx.x; i < p.rows; i += blockDim.x) {
+    const int e = local_expert(p, i);
+    s_exp[i] = static_cast<int16_t>(e);
+    bad |= e == -2;
+  }
+  if (bad) atomicExch(p.error_flag, 1);
+  __syncthreads();
+  const int run = (p.rows + kMidWarps * 32 - 1) / (kMidWarps * 32) * 32;  // entries a warp, a multiple of 32
+  const int begin = min(p.rows, warp * run), end = min(p.rows, begin + run);
+  int16_t* mine = table + warp * E;
+  const unsigned lt = (1u << lane) - 1u;
+  const int bits = perm::expert_bits(E);
+  for (int i0 = begin; i0 < end; i0 += 32) {
+    const int key = i0 + lane < end ? max(static_cast<int>(s_exp[i0 + lane]), -1) : -1;
+    const unsigned peers = perm::match_key(key, bits);
+    if (key >= 0 && (peers >> lane) == 1u) mine[key] += __popc(peers);  // the group's highest lane
+    __syncwarp();
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {  // per expert: the rows before each warp's, and the total
+    int rows = 0;
+    for (int w = 0; w < kMidWarps; ++w) {
+      const int n = table[w * E + e];
+      table[w * E + e] = static_cast<int16_t>(rows);
+      rows += n;
+    }
+    offs[e] = rows;
+  }
+  __syncthreads();
+  offsets_and_tiles(p, offs, toffs);
+  for (int i0 = begin; i0 < end; i0 += 32) {
+    const int i = i0 + lane;
+    const int key = i < end ? max(static_cast<int>(s_exp[i]), -1) : -1;
+    const unsigned peers = perm::match_key(key, bits);
+    int pos = 0;
+    if (key >= 0) pos = offs[key] + mine[key] + __popc(peers & lt);
+    __syncwarp();
+    if (key >= 0) {
+      p.row_entry[pos] = i;
+      if ((peers >> lane) == 1u) mine[key] += __popc(peers);  // the highest lane of the group advances it
+    }
+    __syncwarp();
+  }
+}
+
 __global__ void place_kernel(PermuteParams p) {
   dev::pdl_wait();
   dev::pdl_launch_dependents();
@@ -146,6 +211,14 @@ void launch_permute(const PermuteParams& p, cudaStream_t stream) {
   if (p.num_blocks == 1) {
     const int threads = p.rows <= 256 && p.E_loc <= 1024 ? 256 : kScanThreads;
     launch_pdl(permute_one_block_kernel, dim3(1), dim3(threads), 0, stream, "permute_one_block_kernel", p);
+    return;
+  }
+  if (p.mid && p.rows <= kMidMaxRows && p.E_loc <= kMidPermExperts) {
+    const size_t smem = mid_smem_bytes(p.rows, p.E_loc);
+    if (smem > 48 * 1024)
+      check_cuda(cudaFuncSetAttribute(permute_mid_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
+                 "cudaFuncSetAttribute(permute_mid_kernel)");
+    launch_pdl(permute_mid_kernel, dim3(1), dim3(kMidWarps * 32), smem, stream, "permute_mid_kernel", p);
     return;
   }
   const size_t smem = static_cast<size_t>(p.E_loc) * sizeof(int);

@@ -1,13 +1,15 @@
 // GPU tests of the CUDA backend, the checks around the numbers: values that live only on the GPU (out-of-range
 // topk_ids, bad activation parameters, a non-finite routing bias) raise the device error flag and are dropped;
-// a given workspace is refused when too small and equals the internal one; the kimi_k3_tp8 timings. Each test
-// skips with "no CUDA device" when there is none. Lines starting with "STAT" are collected by tools/device/.
+// a given workspace is refused when too small and equals the internal one; the permutation against a CPU sort;
+// the kimi_k3_tp8 timings. Each test skips with "no CUDA device" when there is none. Lines starting with "STAT" are
+// collected by tools/device/.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <memory>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -159,6 +161,98 @@ TEST(GpuDeviceErrors, NonFiniteRoutingBiasSetsFlag) {
   auto ok = make_gpu_call(c, in, *layer);
   run_gpu(layer->gpu, *ok);
   EXPECT_NO_THROW(check_device_errors(0));
+}
+
+// ---- the permutation's three forms against a stable counting sort on the CPU ------------------------
+// Each expert's rows in (token, slot) order, the expert offsets and the tile list, exactly, from the three kernels
+// and from one block of 32 warps (PermuteParams::mid); ids of other ranks skipped, out-of-range ids raise the flag.
+TEST(GpuPermute, FormsEqualStableSort) {
+  FP4MOE_SKIP_WITHOUT_GPU();
+  struct Shape { int rows, E_loc, E_total, offset, bm; bool bad; };
+  const Shape shapes[] = {{1500, 128, 128, 0, 128, false}, {16384, 512, 512, 0, 64, false},
+                          {5000, 32, 256, 64, 16, true},   {3001, 384, 384, 0, 32, true}};
+  auto check = [](cudaError_t e) { ASSERT_EQ(e, cudaSuccess) << cudaGetErrorString(e); };
+  std::mt19937 rng(7);
+  for (const Shape& sh : shapes) {
+    std::vector<int32_t> ids(sh.rows);
+    std::uniform_int_distribution<int32_t> pick(0, sh.E_total - 1);
+    for (auto& v : ids) v = pick(rng);
+    if (sh.bad) ids[17] = -3, ids[sh.rows - 2] = sh.E_total + 5;
+    // The CPU's stable counting sort.
+    std::vector<int> count(sh.E_loc, 0), offs(sh.E_loc + 1, 0), next(sh.E_loc, 0);
+    for (int32_t id : ids)
+      if (id >= sh.offset && id < sh.offset + sh.E_loc) ++count[id - sh.offset];
+    for (int e = 0; e < sh.E_loc; ++e) offs[e + 1] = offs[e] + count[e];
+    std::vector<int32_t> want_rows(offs[sh.E_loc]);
+    for (int i = 0; i < sh.rows; ++i)
+      if (ids[i] >= sh.offset && ids[i] < sh.offset + sh.E_loc) {
+        const int e = ids[i] - sh.offset;
+        want_rows[offs[e] + next[e]++] = i;
+      }
+    std::vector<int32_t> want_tiles;
+    for (int e = 0; e < sh.E_loc; ++e)
+      for (int r = 0; r < count[e]; r += sh.bm) want_tiles.push_back(e), want_tiles.push_back(offs[e] + r);
+    const int max_tiles = sh.rows / sh.bm + sh.E_loc;
+    const int per_block = 256, blocks = (sh.rows + per_block - 1) / per_block;
+
+    int32_t *d_ids, *d_counts, *d_offs, *d_tiles, *d_rows, *d_zero;
+    int* d_flag;
+    check(cudaMalloc(&d_ids, sh.rows * 4));
+    check(cudaMalloc(&d_counts, static_cast<size_t>(blocks) * sh.E_loc * 4));
+    check(cudaMalloc(&d_offs, (sh.E_loc + 1) * 4));
+    check(cudaMalloc(&d_tiles, (2 * max_tiles + 1) * 4));
+    check(cudaMalloc(&d_rows, sh.rows * 4));
+    check(cudaMalloc(&d_zero, 64 * 4));
+    check(cudaMalloc(&d_flag, 4));
+    check(cudaMemcpy(d_ids, ids.data(), sh.rows * 4, cudaMemcpyHostToDevice));
+    for (const bool mid : {false, true}) {
+      check(cudaMemset(d_rows, 0xff, sh.rows * 4));
+      check(cudaMemset(d_tiles, 0xff, (2 * max_tiles + 1) * 4));
+      check(cudaMemset(d_zero, 0x11, 64 * 4));
+      check(cudaMemset(d_flag, 0, 4));
+      cuda_backend::PermuteParams pp;
+      pp.ids = d_ids;
+      pp.rows = sh.rows;
+      pp.E_total = sh.E_total;
+      pp.E_loc = sh.E_loc;
+      pp.local_offset = sh.offset;
+      pp.entries_per_block = per_block;
+      pp.num_blocks = blocks;
+      pp.mid = mid;
+      pp.bm = sh.bm;
+      pp.max_tiles = max_tiles;
+      pp.block_counts = d_counts;
+      pp.expert_offsets = d_offs;
+      pp.tile_info = d_tiles;
+      pp.row_entry = d_rows;
+      pp.error_flag = d_flag;
+      pp.zero_counters = d_zero;
+      pp.num_counters = mid ? 64 : 0;
+      cuda_backend::launch_permute(pp, nullptr);
+      check(cudaDeviceSynchronize());
+      std::vector<int32_t> got_offs(sh.E_loc + 1), got_tiles(2 * max_tiles + 1), got_rows(want_rows.size()),
+          zero(64);
+      int flag = 0;
+      check(cudaMemcpy(got_offs.data(), d_offs, got_offs.size() * 4, cudaMemcpyDeviceToHost));
+      check(cudaMemcpy(got_tiles.data(), d_tiles, got_tiles.size() * 4, cudaMemcpyDeviceToHost));
+      check(cudaMemcpy(got_rows.data(), d_rows, got_rows.size() * 4, cudaMemcpyDeviceToHost));
+      check(cudaMemcpy(zero.data(), d_zero, 64 * 4, cudaMemcpyDeviceToHost));
+      check(cudaMemcpy(&flag, d_flag, 4, cudaMemcpyDeviceToHost));
+      const std::string what = std::string(mid ? "one block of 32 warps" : "three kernels") + ", rows " +
+                               std::to_string(sh.rows) + ", E_loc " + std::to_string(sh.E_loc);
+      EXPECT_EQ(got_offs, offs) << what;
+      EXPECT_EQ(got_rows, want_rows) << what;
+      EXPECT_EQ(got_tiles[2 * max_tiles], static_cast<int>(want_tiles.size() / 2)) << what;
+      got_tiles.resize(want_tiles.size());
+      EXPECT_EQ(got_tiles, want_tiles) << what;
+      EXPECT_EQ(flag != 0, sh.bad) << what;
+      if (mid) EXPECT_EQ(std::count(zero.begin(), zero.end(), 0), 64) << what << ": the split-K counters";
+    }
+    for (void* ptr : {static_cast<void*>(d_ids), static_cast<void*>(d_counts), static_cast<void*>(d_offs),
+                      static_cast<void*>(d_tiles), static_cast<void*>(d_rows), static_cast<void*>(d_zero),
+                      static_cast<void*>(d_flag)})
+      check(cudaFree(ptr));
+  }
 }
 
 // ---- workspace: too small is refused (naming it), a given one equals the internal one ---------------
