@@ -4,8 +4,8 @@
 //   3. place: each block walks its entries in order and gives entry i of expert e the next row of e,
 //      so rows of an expert are in (token, slot) order whatever the scheduling.
 // A chunk of one block's entries runs the three steps in one kernel (permute_one_block_kernel; with LoRA at decode,
-// a block of the x shrink's kernel: permute_one_block.cuh); a chunk of up to kMidPermEntries, in one block of 32
-// warps that each count and place their own run (permute_mid_kernel).
+// a block of the x shrink's kernel: permute_one_block.cuh); a chunk of kMidPermAbove to kMidPermEntries entries,
+// in one block of 32 warps that each count and place their own run (permute_mid_kernel).
 // With LoRA, order_by_adapter_kernel then sorts each expert's rows by (adapter slot, entry), so that a GEMM tile's
 // 8- or 16-row fragments hold few adapters (the epilogue's expand makes one pass per adapter of a fragment). A row's
 // result does not depend on its position, so the order changes no bits.
@@ -81,7 +81,7 @@ __global__ void __launch_bounds__(kScanThreads) permute_one_block_kernel(Permute
   perm::one_block(p);
 }
 
-// count, scan and place of a chunk of up to kMidPermEntries entries in one block of kMidWarps warps: warp w counts,
+// count, scan and place of a chunk of entries in one block of kMidWarps warps (plan.h kMidPermEntries): warp w counts,
 // then places, its own run of entries in order (as place_kernel's blocks do), its counts and then its next rows in
 // its row of a [kMidWarps][E_loc] table in shared memory. Dynamic shared memory: mid_smem_bytes.
 constexpr int kMidWarps = 32, kMidMaxRows = 32767;  // rows in int16
@@ -208,17 +208,17 @@ void launch_order_by_adapter(const PermuteParams& p, cudaStream_t stream) {
 
 void launch_permute(const PermuteParams& p, cudaStream_t stream) {
   if (p.rows <= 0) return;
-  if (p.num_blocks == 1) {
-    const int threads = p.rows <= 256 && p.E_loc <= 1024 ? 256 : kScanThreads;
-    launch_pdl(permute_one_block_kernel, dim3(1), dim3(threads), 0, stream, "permute_one_block_kernel", p);
-    return;
-  }
   if (p.mid && p.rows <= kMidMaxRows && p.E_loc <= kMidPermExperts) {
     const size_t smem = mid_smem_bytes(p.rows, p.E_loc);
     if (smem > 48 * 1024)
       check_cuda(cudaFuncSetAttribute(permute_mid_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
                  "cudaFuncSetAttribute(permute_mid_kernel)");
     launch_pdl(permute_mid_kernel, dim3(1), dim3(kMidWarps * 32), smem, stream, "permute_mid_kernel", p);
+    return;
+  }
+  if (p.num_blocks == 1) {
+    const int threads = p.rows <= 256 && p.E_loc <= 1024 ? 256 : kScanThreads;
+    launch_pdl(permute_one_block_kernel, dim3(1), dim3(threads), 0, stream, "permute_one_block_kernel", p);
     return;
   }
   const size_t smem = static_cast<size_t>(p.E_loc) * sizeof(int);

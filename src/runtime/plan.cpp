@@ -141,7 +141,7 @@ MoePlan make_plan(const ProblemShape& shape) {
                        : static_cast<int>(std::max<int64_t>(256, round_up(ceil_div(p.rows, 1024), 32)));
   p.perm_blocks = ceil_div(p.rows, p.perm_entries);
   p.perm_smem = static_cast<size_t>(s.E_loc * 4);
-  p.perm_mid = p.rows > kOneBlockPermEntries && p.rows <= kMidPermEntries && s.E_loc <= kMidPermExperts;
+  p.perm_mid = p.rows > kMidPermAbove && p.rows <= kMidPermEntries && s.E_loc <= kMidPermExperts;
 
   // Entry tiles (MoePlan::entry_tiles) where the chunk's local entries exceed the distinct local experts they reach by
   // at most 10 % in expectation under uniform routing (E_loc (1 - (1 - k / E_total)^T) of them): an expert that two

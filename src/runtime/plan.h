@@ -92,7 +92,7 @@ struct MoePlan {
   int perm_entries = 0;
   int64_t perm_blocks = 0;      // for a full chunk
   size_t perm_smem = 0;         // E_loc ints per block
-  bool perm_mid = false;        // above kOneBlockPermEntries: one block of 32 warps, not three kernels
+  bool perm_mid = false;        // one block of 32 warps (kMidPermAbove < rows <= kMidPermEntries)
 
   // Entry tiles: every (token, slot) entry of the chunk is an m tile of its own in the routed GEMMs (its expert read
   // from the routing's ids, its row the entry), so no permutation runs; the routing kernel zeroes the split-K
@@ -217,10 +217,10 @@ constexpr int64_t split_target_blocks(const DeviceDesc& d) { return int64_t(4) *
 // in-order placement; src/cuda/permute.cu), larger ones by three kernels over many blocks. (The placement is one
 // warp's serial walk: at 1024 entries 32 steps.)
 constexpr int64_t kOneBlockPermEntries = 1024;
-// Up to this many entries on at most kMidPermExperts local experts, the three steps run in one block of 32 warps
-// instead (MoePlan::perm_mid): each warp counts, then places, its own run of entries, the counts in shared memory.
-// Measured (bench/NOTES.md): at 2048 entries 0.95-0.99 of the three kernels; at 8192 1.02-1.05.
-constexpr int64_t kMidPermEntries = 2048, kMidPermExperts = 512;
+// From more than kMidPermAbove up to kMidPermEntries entries on at most kMidPermExperts local experts, one block of
+// 32 warps runs the three steps instead (MoePlan::perm_mid): each warp counts, then places, its own run of entries.
+// Measured (bench/NOTES.md): 0.90-0.99 of the layer at 512-1024 entries, 0.95-0.99 at 2048; 1.02-1.05 at 8192.
+constexpr int64_t kMidPermAbove = 256, kMidPermEntries = 2048, kMidPermExperts = 512;
 // LoRA at decode: the x shrink's launch also permutes a chunk of up to this many entries (MoePlan::lora_shrink1_permutes).
 constexpr int64_t kShrinkPermuteRows = 256;
 // A layer of at most this many experts (E_total) skips the 32-row mma.sync tile (make_plan's tile choice).

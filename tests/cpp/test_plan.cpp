@@ -105,8 +105,8 @@ void check_plan(const ProblemShape& s, std::mt19937_64& rng) {
     // The one-block kernel (its shared cache of the entries' experts holds kOneBlockPermEntries) takes every
     // chunk up to that size, and only those.
     EXPECT_EQ(p.perm_blocks == 1, p.rows <= kOneBlockPermEntries) << p.rows;
-    // Above it, one block of 32 warps up to kMidPermEntries on at most kMidPermExperts experts.
-    EXPECT_EQ(p.perm_mid, p.rows > kOneBlockPermEntries && p.rows <= kMidPermEntries && E <= kMidPermExperts)
+    // One block of 32 warps from kMidPermAbove to kMidPermEntries on at most kMidPermExperts experts.
+    EXPECT_EQ(p.perm_mid, p.rows > kMidPermAbove && p.rows <= kMidPermEntries && E <= kMidPermExperts)
         << p.rows << " rows, " << E << " experts";
     EXPECT_EQ(p.perm_smem, static_cast<size_t>(E * 4));
     EXPECT_LE(p.perm_smem, 48u * 1024u);
