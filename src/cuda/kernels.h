@@ -187,7 +187,7 @@ struct PermuteParams {
   int rows = 0;                  // entries in this chunk
   int E_total = 0, E_loc = 0, local_offset = 0;
   int entries_per_block = 0, num_blocks = 0;
-  bool mid = false;                   // num_blocks > 1: one block of 32 warps all the same (MoePlan::perm_mid)
+  bool mid = false;                   // one block of 32 warps whatever num_blocks (MoePlan::perm_mid)
   int bm = 0, max_tiles = 0;
   int32_t* block_counts = nullptr;    // [num_blocks, E_loc]
   int32_t* expert_offsets = nullptr;  // [E_loc + 1]

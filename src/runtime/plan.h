@@ -214,8 +214,8 @@ constexpr int64_t kMaxLoraRank = 64;              // an adapter's r (SPEC §5)
 constexpr int64_t kKChunk = 512;
 constexpr int64_t split_target_blocks(const DeviceDesc& d) { return int64_t(4) * d.sm_count; }
 // A chunk of at most this many (token, slot) entries is permuted by one kernel of one block (count, scan and
-// in-order placement; src/cuda/permute.cu), larger ones by three kernels over many blocks. (The placement is one
-// warp's serial walk: at 1024 entries 32 steps.)
+// in-order placement; src/cuda/permute.cu), larger ones by three kernels over many blocks. (Its placement is one
+// warp's serial walk, 32 steps at 1024 entries: from kMidPermAbove entries 32 warps place instead, perm_mid.)
 constexpr int64_t kOneBlockPermEntries = 1024;
 // From more than kMidPermAbove up to kMidPermEntries entries on at most kMidPermExperts local experts, one block of
 // 32 warps runs the three steps instead (MoePlan::perm_mid): each warp counts, then places, its own run of entries.

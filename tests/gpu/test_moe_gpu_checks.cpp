@@ -170,7 +170,8 @@ TEST(GpuPermute, FormsEqualStableSort) {
   FP4MOE_SKIP_WITHOUT_GPU();
   struct Shape { int rows, E_loc, E_total, offset, bm; bool bad; };
   const Shape shapes[] = {{1500, 128, 128, 0, 128, false}, {16384, 512, 512, 0, 64, false},
-                          {5000, 32, 256, 64, 16, true},   {3001, 384, 384, 0, 32, true}};
+                          {5000, 32, 256, 64, 16, true},   {3001, 384, 384, 0, 32, true},
+                          {600, 128, 128, 0, 64, true}};
   auto check = [](cudaError_t e) { ASSERT_EQ(e, cudaSuccess) << cudaGetErrorString(e); };
   std::mt19937 rng(7);
   for (const Shape& sh : shapes) {
