@@ -196,23 +196,15 @@ TEST(GpuPermute, FormsEqualStableSort) {
     const int max_tiles = sh.rows / sh.bm + sh.E_loc;
     const int per_block = 256, blocks = (sh.rows + per_block - 1) / per_block;
 
-    int32_t *d_ids, *d_counts, *d_offs, *d_tiles, *d_rows, *d_zero;
-    int* d_flag;
-    check(cudaMalloc(&d_ids, sh.rows * 4));
-    check(cudaMalloc(&d_counts, static_cast<size_t>(blocks) * sh.E_loc * 4));
-    check(cudaMalloc(&d_offs, (sh.E_loc + 1) * 4));
-    check(cudaMalloc(&d_tiles, (2 * max_tiles + 1) * 4));
-    check(cudaMalloc(&d_rows, sh.rows * 4));
-    check(cudaMalloc(&d_zero, 64 * 4));
-    check(cudaMalloc(&d_flag, 4));
-    check(cudaMemcpy(d_ids, ids.data(), sh.rows * 4, cudaMemcpyHostToDevice));
+    DevBuf ids_d = DevBuf::from(ids), counts(static_cast<size_t>(blocks) * sh.E_loc * 4), offs_d((sh.E_loc + 1) * 4),
+           tiles((2 * max_tiles + 1) * 4), rows_d(sh.rows * 4), zero_d(64 * 4), flag_d(4);
     for (const bool mid : {false, true}) {
-      check(cudaMemset(d_rows, 0xff, sh.rows * 4));
-      check(cudaMemset(d_tiles, 0xff, (2 * max_tiles + 1) * 4));
-      check(cudaMemset(d_zero, 0x11, 64 * 4));
-      check(cudaMemset(d_flag, 0, 4));
+      rows_d.fill_byte(0xff);
+      tiles.fill_byte(0xff);
+      zero_d.fill_byte(0x11);
+      flag_d.fill_byte(0);
       cuda_backend::PermuteParams pp;
-      pp.ids = d_ids;
+      pp.ids = ids_d.as<int32_t>();
       pp.rows = sh.rows;
       pp.E_total = sh.E_total;
       pp.E_loc = sh.E_loc;
@@ -222,23 +214,20 @@ TEST(GpuPermute, FormsEqualStableSort) {
       pp.mid = mid;
       pp.bm = sh.bm;
       pp.max_tiles = max_tiles;
-      pp.block_counts = d_counts;
-      pp.expert_offsets = d_offs;
-      pp.tile_info = d_tiles;
-      pp.row_entry = d_rows;
-      pp.error_flag = d_flag;
-      pp.zero_counters = d_zero;
+      pp.block_counts = counts.as<int32_t>();
+      pp.expert_offsets = offs_d.as<int32_t>();
+      pp.tile_info = tiles.as<int32_t>();
+      pp.row_entry = rows_d.as<int32_t>();
+      pp.error_flag = flag_d.as<int>();
+      pp.zero_counters = zero_d.as<int32_t>();
       pp.num_counters = mid ? 64 : 0;
       cuda_backend::launch_permute(pp, nullptr);
       check(cudaDeviceSynchronize());
-      std::vector<int32_t> got_offs(sh.E_loc + 1), got_tiles(2 * max_tiles + 1), got_rows(want_rows.size()),
-          zero(64);
-      int flag = 0;
-      check(cudaMemcpy(got_offs.data(), d_offs, got_offs.size() * 4, cudaMemcpyDeviceToHost));
-      check(cudaMemcpy(got_tiles.data(), d_tiles, got_tiles.size() * 4, cudaMemcpyDeviceToHost));
-      check(cudaMemcpy(got_rows.data(), d_rows, got_rows.size() * 4, cudaMemcpyDeviceToHost));
-      check(cudaMemcpy(zero.data(), d_zero, 64 * 4, cudaMemcpyDeviceToHost));
-      check(cudaMemcpy(&flag, d_flag, 4, cudaMemcpyDeviceToHost));
+      const auto got_offs = offs_d.download<int32_t>();
+      auto got_tiles = tiles.download<int32_t>();
+      const auto got_rows = rows_d.download<int32_t>(want_rows.size());
+      const auto zero = zero_d.download<int32_t>();
+      const int flag = flag_d.download<int>()[0];
       const std::string what = std::string(mid ? "one block of 32 warps" : "three kernels") + ", rows " +
                                std::to_string(sh.rows) + ", E_loc " + std::to_string(sh.E_loc);
       EXPECT_EQ(got_offs, offs) << what;
@@ -249,10 +238,6 @@ TEST(GpuPermute, FormsEqualStableSort) {
       EXPECT_EQ(flag != 0, sh.bad) << what;
       if (mid) EXPECT_EQ(std::count(zero.begin(), zero.end(), 0), 64) << what << ": the split-K counters";
     }
-    for (void* ptr : {static_cast<void*>(d_ids), static_cast<void*>(d_counts), static_cast<void*>(d_offs),
-                      static_cast<void*>(d_tiles), static_cast<void*>(d_rows), static_cast<void*>(d_zero),
-                      static_cast<void*>(d_flag)})
-      check(cudaFree(ptr));
   }
 }
 
