@@ -5,7 +5,7 @@
 //      so rows of an expert are in (token, slot) order whatever the scheduling.
 // A chunk of one block's entries runs the three steps in one kernel (permute_one_block_kernel; with LoRA at decode,
 // a block of the x shrink's kernel: permute_one_block.cuh); a chunk of kMidPermAbove to kMidPermEntries entries,
-// in one block of 32 warps that each count and place their own run (permute_mid_kernel).
+// in one block of 32 warps that each count their own run, then place it by the ranks kept (permute_mid_kernel).
 // With LoRA, order_by_adapter_kernel then sorts each expert's rows by (adapter slot, entry), so that a GEMM tile's
 // 8- or 16-row fragments hold few adapters (the epilogue's expand makes one pass per adapter of a fragment). A row's
 // result does not depend on its position, so the order changes no bits.
@@ -81,29 +81,38 @@ __global__ void __launch_bounds__(kScanThreads) permute_one_block_kernel(Permute
   perm::one_block(p);
 }
 
-// count, scan and place of a chunk of entries in one block of kMidWarps warps (plan.h kMidPermEntries): warp w counts,
-// then places, its own run of entries in order (as place_kernel's blocks do), its counts and then its next rows in
-// its row of a [kMidWarps][E_loc] table in shared memory. Dynamic shared memory: mid_smem_bytes.
+// count, scan and place of a chunk of entries in one block of kMidWarps warps (plan.h kMidPermEntries): warp w counts
+// its own run of entries in order (as count_kernel's blocks do), each entry's rank among its expert's entries of the
+// run kept beside its expert; then, with the runs' counts scanned, every entry's row is known and any thread writes it.
+// The [kMidWarps][E_loc] table holds each warp's counts, then the rows of each expert before the warp's run.
+// Dynamic shared memory: mid_smem_bytes.
 constexpr int kMidWarps = 32, kMidMaxRows = 32767;  // rows in int16
+constexpr int kMidIdLoads = 8;                       // ids a thread loads before it stores any (one latency, not 8)
 size_t mid_smem_bytes(int rows, int E) {
-  return static_cast<size_t>(2 * (E + 1)) * sizeof(int) + static_cast<size_t>(kMidWarps * E + rows) * sizeof(int16_t);
+  return static_cast<size_t>(2 * (E + 1)) * sizeof(int) + static_cast<size_t>(kMidWarps * E + 2 * rows) * sizeof(int16_t);
 }
 __global__ void __launch_bounds__(kMidWarps * 32) permute_mid_kernel(PermuteParams p) {
   dev::pdl_wait();
   dev::pdl_launch_dependents();
   extern __shared__ int mid_smem[];
-  const int E = p.E_loc, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int E = p.E_loc, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nt = static_cast<int>(blockDim.x);
   int* offs = mid_smem;                                        // [E + 1] rows an expert, then its first row
   int* toffs = offs + E + 1;                                   // [E + 1] tile offsets
   int16_t* table = reinterpret_cast<int16_t*>(toffs + E + 1);  // [kMidWarps][E] counts, then rows before the warp's
-  int16_t* s_exp = table + kMidWarps * E;                      // [rows] each entry's local expert
-  for (int i = threadIdx.x; i < kMidWarps * E; i += blockDim.x) table[i] = 0;
-  for (int c = threadIdx.x; c < p.num_counters; c += blockDim.x) p.zero_counters[c] = 0;
+  int16_t* s_exp = table + kMidWarps * E;                      // [rows] each entry's local expert (-1: none)
+  int16_t* s_rank = s_exp + p.rows;                            // [rows] its rank in its expert's entries of its run
+  for (int i = threadIdx.x; i < kMidWarps * E; i += nt) table[i] = 0;
+  for (int c = threadIdx.x; c < p.num_counters; c += nt) p.zero_counters[c] = 0;
   bool bad = false;
-  for (int i = threadIdx.x; i < p.rows; i += blockDim.x) {
-    const int e = local_expert(p, i);
-    s_exp[i] = static_cast<int16_t>(e);
-    bad |= e == -2;
+  for (int i0 = threadIdx.x; i0 < p.rows; i0 += kMidIdLoads * nt) {
+    int e[kMidIdLoads];
+#pragma unroll
+    for (int u = 0; u < kMidIdLoads; ++u) e[u] = i0 + u * nt < p.rows ? local_expert(p, i0 + u * nt) : -1;
+#pragma unroll
+    for (int u = 0; u < kMidIdLoads; ++u) {
+      if (i0 + u * nt < p.rows) s_exp[i0 + u * nt] = static_cast<int16_t>(max(e[u], -1));
+      bad |= e[u] == -2;
+    }
   }
   if (bad) atomicExch(p.error_flag, 1);
   __syncthreads();
@@ -113,13 +122,19 @@ __global__ void __launch_bounds__(kMidWarps * 32) permute_mid_kernel(PermutePara
   const unsigned lt = (1u << lane) - 1u;
   const int bits = perm::expert_bits(E);
   for (int i0 = begin; i0 < end; i0 += 32) {
-    const int key = i0 + lane < end ? max(static_cast<int>(s_exp[i0 + lane]), -1) : -1;
+    const int i = i0 + lane;
+    const int key = i < end ? static_cast<int>(s_exp[i]) : -1;
     const unsigned peers = perm::match_key(key, bits);
-    if (key >= 0 && (peers >> lane) == 1u) mine[key] += __popc(peers);  // the group's highest lane
+    const int before = key >= 0 ? mine[key] : 0;
+    __syncwarp();
+    if (key >= 0) {
+      s_rank[i] = static_cast<int16_t>(before + __popc(peers & lt));
+      if ((peers >> lane) == 1u) mine[key] = static_cast<int16_t>(before + __popc(peers));  // the group's highest lane
+    }
     __syncwarp();
   }
   __syncthreads();
-  for (int e = threadIdx.x; e < E; e += blockDim.x) {  // per expert: the rows before each warp's, and the total
+  for (int e = threadIdx.x; e < E; e += nt) {  // per expert: the rows before each warp's, and the total
     int rows = 0;
     for (int w = 0; w < kMidWarps; ++w) {
       const int n = table[w * E + e];
@@ -130,18 +145,9 @@ __global__ void __launch_bounds__(kMidWarps * 32) permute_mid_kernel(PermutePara
   }
   __syncthreads();
   offsets_and_tiles(p, offs, toffs);
-  for (int i0 = begin; i0 < end; i0 += 32) {
-    const int i = i0 + lane;
-    const int key = i < end ? max(static_cast<int>(s_exp[i]), -1) : -1;
-    const unsigned peers = perm::match_key(key, bits);
-    int pos = 0;
-    if (key >= 0) pos = offs[key] + mine[key] + __popc(peers & lt);
-    __syncwarp();
-    if (key >= 0) {
-      p.row_entry[pos] = i;
-      if ((peers >> lane) == 1u) mine[key] += __popc(peers);  // the highest lane of the group advances it
-    }
-    __syncwarp();
+  for (int i = threadIdx.x; i < p.rows; i += nt) {
+    const int key = s_exp[i];
+    if (key >= 0) p.row_entry[offs[key] + table[(i / run) * E + key] + s_rank[i]] = i;
   }
 }
 
