@@ -172,7 +172,6 @@ TEST(GpuPermute, FormsEqualStableSort) {
   const Shape shapes[] = {{1500, 128, 128, 0, 128, false}, {16384, 512, 512, 0, 64, false},
                           {5000, 32, 256, 64, 16, true},   {3001, 384, 384, 0, 32, true},
                           {600, 128, 128, 0, 64, true}};
-  auto check = [](cudaError_t e) { ASSERT_EQ(e, cudaSuccess) << cudaGetErrorString(e); };
   std::mt19937 rng(7);
   for (const Shape& sh : shapes) {
     std::vector<int32_t> ids(sh.rows);
@@ -222,7 +221,7 @@ TEST(GpuPermute, FormsEqualStableSort) {
       pp.zero_counters = zero_d.as<int32_t>();
       pp.num_counters = mid ? 64 : 0;
       cuda_backend::launch_permute(pp, nullptr);
-      check(cudaDeviceSynchronize());
+      CUDA_OK(cudaDeviceSynchronize());
       const auto got_offs = offs_d.download<int32_t>();
       auto got_tiles = tiles.download<int32_t>();
       const auto got_rows = rows_d.download<int32_t>(want_rows.size());
