@@ -83,7 +83,7 @@ __global__ void __launch_bounds__(kScanThreads) permute_one_block_kernel(Permute
 
 // count, scan and place of a chunk of entries in one block of kMidWarps warps (plan.h kMidPermEntries): warp w counts
 // its own run of entries in order (as count_kernel's blocks do), each entry's rank among its expert's entries of the
-// run kept beside its expert; then, with the runs' counts scanned, every entry's row is known and any thread writes it.
+// run kept beside its expert; then, with the runs' counts scanned, every entry's row is known and its warp writes it.
 // The [kMidWarps][E_loc] table holds each warp's counts, then the rows of each expert before the warp's run.
 // Dynamic shared memory: mid_smem_bytes.
 constexpr int kMidWarps = 32, kMidMaxRows = 32767;  // rows in int16
@@ -95,7 +95,8 @@ __global__ void __launch_bounds__(kMidWarps * 32) permute_mid_kernel(PermutePara
   dev::pdl_wait();
   dev::pdl_launch_dependents();
   extern __shared__ int mid_smem[];
-  const int E = p.E_loc, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nt = static_cast<int>(blockDim.x);
+  constexpr int nt = kMidWarps * 32;
+  const int E = p.E_loc, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   int* offs = mid_smem;                                        // [E + 1] rows an expert, then its first row
   int* toffs = offs + E + 1;                                   // [E + 1] tile offsets
   int16_t* table = reinterpret_cast<int16_t*>(toffs + E + 1);  // [kMidWarps][E] counts, then rows before the warp's
@@ -145,9 +146,9 @@ __global__ void __launch_bounds__(kMidWarps * 32) permute_mid_kernel(PermutePara
   }
   __syncthreads();
   offsets_and_tiles(p, offs, toffs);
-  for (int i = threadIdx.x; i < p.rows; i += nt) {
+  for (int i = begin + lane; i < end; i += 32) {  // each warp places its own run's entries
     const int key = s_exp[i];
-    if (key >= 0) p.row_entry[offs[key] + table[(i / run) * E + key] + s_rank[i]] = i;
+    if (key >= 0) p.row_entry[offs[key] + mine[key] + s_rank[i]] = i;
   }
 }
 

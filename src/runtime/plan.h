@@ -218,8 +218,8 @@ constexpr int64_t split_target_blocks(const DeviceDesc& d) { return int64_t(4) *
 // warp's serial walk, 32 steps at 1024 entries: from kMidPermAbove entries 32 warps place instead, perm_mid.)
 constexpr int64_t kOneBlockPermEntries = 1024;
 // From more than kMidPermAbove up to kMidPermEntries entries on at most kMidPermExperts local experts, one block of
-// 32 warps runs the three steps instead (MoePlan::perm_mid): each warp counts its own run of entries, then every
-// thread places entries by the ranks kept. Measured (bench/NOTES.md): 0.90-0.99 of the layer at 512-1024 entries,
+// 32 warps runs the three steps instead (MoePlan::perm_mid): each warp counts its own run of entries, then places
+// them by the ranks kept. Measured (bench/NOTES.md): 0.90-0.99 of the layer at 512-1024 entries,
 // 0.95-0.99 at 2048; beyond, 1.02-1.06 (the three kernels spread over the SMs).
 constexpr int64_t kMidPermAbove = 256, kMidPermEntries = 2048, kMidPermExperts = 512;
 // LoRA at decode: the x shrink's launch also permutes a chunk of up to this many entries (MoePlan::lora_shrink1_permutes).
