@@ -117,7 +117,7 @@ __global__ void __launch_bounds__(kMidWarps * 32) permute_mid_kernel(PermutePara
   }
   if (bad) atomicExch(p.error_flag, 1);
   __syncthreads();
-  const int run = (p.rows + kMidWarps * 32 - 1) / (kMidWarps * 32) * 32;  // entries a warp, a multiple of 32
+  const int run = (p.rows + nt - 1) / nt * 32;  // entries a warp, a multiple of 32
   const int begin = min(p.rows, warp * run), end = min(p.rows, begin + run);
   int16_t* mine = table + warp * E;
   const unsigned lt = (1u << lane) - 1u;
