@@ -436,6 +436,7 @@ GemmProblem gemm1(const Call& c, const Chunk& ch) {
   e1.a_quant_gs = c.a4_fused ? 1.f / a.fc2_input_scale : 0.f;
   g1 = with_split(c, g1, c.plan.split1);
   g1.ws_sub = c.plan.ws_sub1;
+  g1.chunk_kb = c.plan.chunk1_kb;
   launch_gemm1(c.plan.gemm_config, c.w.format, c.s.activation, g1, e1, static_cast<int>(c.plan.n1_tiles),
                g1.max_tiles, c.stream);
   return g1;
@@ -445,6 +446,7 @@ GemmProblem gemm1(const Call& c, const Chunk& ch) {
 void gemm2(const Call& c, const Chunk& ch, const GemmProblem& g1) {
   GemmProblem g2 = with_split(c, g1, c.plan.split2);
   g2.ws_sub = c.plan.ws_sub2;
+  g2.chunk_kb = c.plan.chunk2_kb;
   g2.wait_late = c.plan.gemms_beside_lora_shrinks ? 1 : 0;  // the a shrink lets it in after GEMM1 finished
   g2.A = c.b.act;
   g2.lda = c.s.I;
@@ -465,6 +467,7 @@ void shared_expert(const Call& c, const Chunk& ch) {
   const int64_t H = c.s.H, Is = sw.I;
   GemmProblem gs1 = with_split(c, dense_problem(ch.a_in, H, static_cast<int>(H), ch.tc, sw.w1), c.plan.shared_split1);
   gs1.ws_sub = c.plan.shared_ws_sub1;
+  gs1.chunk_kb = c.plan.shared_chunk1_kb;
   Epilogue1Params es1 = epilogue1_for(sw, c.b.shared_act, 1, c.a4 ? c.b.x_scale : nullptr);
   es1.defaults = c.shared_params;
   es1.lora = expand(c, c.b.lora_st1, c.plan.lora_r2_stride, kLoraSharedGateUp);
@@ -476,6 +479,7 @@ void shared_expert(const Call& c, const Chunk& ch) {
   GemmProblem gs2 =
       with_split(c, dense_problem(c.b.shared_act, Is, static_cast<int>(Is), ch.tc, sw.w2), c.plan.shared_split2);
   gs2.ws_sub = c.plan.shared_ws_sub2;
+  gs2.chunk_kb = c.plan.shared_chunk2_kb;
   Epilogue2Params es2 = epilogue2_for(sw, c.b.shared_out, 1, c.fc2_scale);
   es2.lora = expand(c, c.b.lora_st2, c.plan.lora_r2_stride, kLoraSharedDown);
   launch_gemm2(c.plan.gemm_config, sw.format, gs2, es2, static_cast<int>(c.plan.n2_tiles),

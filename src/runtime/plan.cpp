@@ -213,11 +213,11 @@ MoePlan make_plan(const ProblemShape& shape) {
   // the work; the others exit at once): deepseek_v3_ep8 (32 of 256 experts) at T=1 has room for nine m tiles and
   // fills one. On the other layers counting the expected tiles gained nothing and cost qwen3_30b_a3b_tp4 5 % at
   // T=64 (bench/NOTES.md). Only the one-block permutation's chunks split (at most kOneBlockPermEntries rows).
-  // m_tiles: the bound, m_tiles_of(c).
-  auto split_m_tiles_of = [&](const GemmConfig& c, int64_t m_tiles) {
+  // m_tiles: the bound, m_tiles_of(c), for a chunk of `tokens` tokens (p.chunk_tokens, or one: decode_chunk_kb).
+  auto split_m_tiles_of = [&](int64_t bm, int64_t tokens, int64_t m_tiles) {
     const bool loose = s.E_loc < s.E_total || s.E_total <= kFewExperts;
-    if (!loose || p.rows == 0 || p.rows > kOneBlockPermEntries) return m_tiles;
-    const double e = expected_m_tiles(p.chunk_tokens, k, s.E_loc, s.E_total, c.bm);
+    if (!loose || tokens == 0 || tokens * k > kOneBlockPermEntries) return m_tiles;
+    const double e = expected_m_tiles(tokens, k, s.E_loc, s.E_total, bm);
     if (e < 0.0) return m_tiles;
     return std::clamp<int64_t>(static_cast<int64_t>(std::ceil(e - 1e-6)), 1, m_tiles);
   };
@@ -236,13 +236,25 @@ MoePlan make_plan(const ProblemShape& shape) {
     p.shared_m_tiles = ceil_div(p.chunk_tokens, g.bm);
     p.shared_k2_pad = round_up(s.shared_I, g.bk);
   }
+  // The canonical K order of each GEMM (decode_chunk_kb): from its grid on the decode tile at T = 1, m tiles as
+  // split_m_tiles_of counts them there (one for the shared expert) times the decode tile's n tiles.
+  const GemmConfig& dc = kGemmConfigs[static_cast<int>(GemmTile::SplitKDecode)];
+  const int64_t t1_m = split_m_tiles_of(dc.bm, 1, ceil_div(k, dc.bm) + std::min<int64_t>(s.E_loc, k));
+  const int64_t dbn = gemm_bn(dc, fp4);
+  p.chunk1_kb = static_cast<int>(decode_chunk_kb(p.k1_pad, t1_m * ceil_div(p.n1, dbn)));
+  p.chunk2_kb = static_cast<int>(decode_chunk_kb(p.k2_pad, t1_m * ceil_div(H, dbn)));
+  if (s.has_shared) {
+    p.shared_chunk1_kb = static_cast<int>(decode_chunk_kb(p.k1_pad, ceil_div(p.shared_n1, dbn)));
+    p.shared_chunk2_kb = static_cast<int>(decode_chunk_kb(p.shared_k2_pad, ceil_div(H, dbn)));
+  }
   // Split-K: mma.sync weights-as-A tiles on a grid below split_target_blocks, when the one-block permutation (which
   // zeroes the counters; under entry tiles the routing does) runs, split towards twice that many blocks; larger
   // grids stay whole (splitting them was slower). Whole chunks per block; no block without a chunk.
   int64_t partial_floats = 0, counters = 0;
   // The grid's blocks (partials, counters) are m_tiles x n_tiles; the choice counts work_m_tiles x n_tiles.
-  auto split_of = [&](const GemmConfig& c, int64_t m_tiles, int64_t work_m_tiles, int64_t n_tiles, int64_t k_pad) {
-    const int64_t blocks = m_tiles * n_tiles, work = work_m_tiles * n_tiles, chunks = ceil_div(k_pad, kKChunk);
+  auto split_of = [&](const GemmConfig& c, int64_t m_tiles, int64_t work_m_tiles, int64_t n_tiles, int64_t k_pad,
+                      int chunk_kb) {
+    const int64_t blocks = m_tiles * n_tiles, work = work_m_tiles * n_tiles, chunks = ceil_div(k_pad / 64, chunk_kb);
     const int64_t target = split_target_blocks(s.device);
     if (!c.weights_as_a || c.wgmma || p.perm_blocks != 1 || work == 0 || work >= target || chunks < 2) return 1;
     const int64_t want = std::min(chunks, ceil_div(2 * target, work));
@@ -254,13 +266,13 @@ MoePlan make_plan(const ProblemShape& shape) {
   };
   auto splits = [&](const GemmConfig& c) {
     const int64_t m = m_tiles_of(c), n1t = ceil_div(p.n1, c.bn), n2t = ceil_div(H, c.bn);
-    p.split_m_tiles = split_m_tiles_of(c, m);
-    p.split1 = split_of(c, m, p.split_m_tiles, n1t, p.k1_pad);
-    p.split2 = split_of(c, m, p.split_m_tiles, n2t, p.k2_pad);
+    p.split_m_tiles = split_m_tiles_of(c.bm, p.chunk_tokens, m);
+    p.split1 = split_of(c, m, p.split_m_tiles, n1t, p.k1_pad, p.chunk1_kb);
+    p.split2 = split_of(c, m, p.split_m_tiles, n2t, p.k2_pad, p.chunk2_kb);
     if (s.has_shared) {
       const int64_t sm = ceil_div(p.chunk_tokens, c.bm), sn1t = ceil_div(p.shared_n1, c.bn);
-      p.shared_split1 = split_of(c, sm, sm, sn1t, p.k1_pad);
-      p.shared_split2 = split_of(c, sm, sm, n2t, p.shared_k2_pad);
+      p.shared_split1 = split_of(c, sm, sm, sn1t, p.k1_pad, p.shared_chunk1_kb);
+      p.shared_split2 = split_of(c, sm, sm, n2t, p.shared_k2_pad, p.shared_chunk2_kb);
     }
   };
   // The workspace is sized for the tile the device-independent choice takes too, so that workspace_size (which

@@ -2,6 +2,7 @@
 // workspace layout (SPEC §6: "tile configuration and workspace size come from one host-side function,
 // tested for every shape"). Pure host code: it runs (and is tested) without a GPU.
 #pragma once
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 
@@ -121,6 +122,8 @@ struct MoePlan {
   // Split-K of the weights-as-A tiles when their grid is small (decode): blocks per tile along K, in whole
   // kKChunk chunks (1 = no split). The bits do not depend on it (every tile sums the same chunk sums in order).
   int split1 = 1, split2 = 1, shared_split1 = 1, shared_split2 = 1;
+  // k-blocks a K chunk of each GEMM (decode_chunk_kb: the canonical K order; GemmProblem::chunk_kb).
+  int chunk1_kb = 8, chunk2_kb = 8, shared_chunk1_kb = 8, shared_chunk2_kb = 8;
   // The routed m tiles split1 / split2 are chosen for: max_m_tiles, or under expert parallelism and on layers of
   // few experts those the chunk's rows fill in expectation under uniform routing (the grid stays max_m_tiles; the
   // blocks of empty tiles exit at once).
@@ -209,10 +212,26 @@ constexpr int64_t kMaxTokens = int64_t(1) << 30;
 constexpr int64_t kMaxHidden = int64_t(1) << 20;  // H, I: keeps every per-row index inside int32
 constexpr int64_t kMaxLoraRank = 64;              // an adapter's r (SPEC §5)
 
-// The canonical K order of the GEMMs (docs/numerics.md): chains over chunks of kKChunk, chunk sums added in order.
-// Split-K splits a grid smaller than split_target_blocks (four per SM) towards twice that many (plan.cpp).
+// The canonical K order of the GEMMs (docs/numerics.md): chains over K chunks, chunk sums added in order. A GEMM's
+// chunks are as few as its one-token decode grid needs along K to reach split_target_blocks on the reference device
+// (DeviceDesc{}), in whole chunks of kKChunk, and the whole K where that grid reaches it unsplit (decode_chunk_kb): a
+// function of the layer's shape alone (never of T, the device, the tile or LoRA: batch invariance). The LoRA shrinks
+// keep chunks of kKChunk. Split-K splits a grid smaller than split_target_blocks (four per SM) towards twice that
+// many (plan.cpp), in whole chunks.
 constexpr int64_t kKChunk = 512;
 constexpr int64_t split_target_blocks(const DeviceDesc& d) { return int64_t(4) * d.sm_count; }
+// The k-blocks (of 64) of one K chunk of a GEMM of k_pad (K padded to 64) whose decode grid at T = 1 has t1_blocks
+// blocks (the last chunk may be short). Measured 2026-12-07 (bench/NOTES.md): towards the target rather than twice
+// it, gpt_oss_120b T = 4096 0.93 of chunks of 512 against 0.96, mixtral_8x7b 0.88-0.96; T = 1 1.04 against 0.98.
+constexpr int64_t decode_chunk_kb(int64_t k_pad, int64_t t1_blocks) {
+  auto cdiv = [](int64_t x, int64_t y) { return (x + y - 1) / y; };
+  const int64_t kb = k_pad / 64 > 0 ? k_pad / 64 : 1, chunks = cdiv(k_pad, kKChunk);
+  const int64_t target = split_target_blocks(DeviceDesc{});
+  if (t1_blocks >= target || chunks < 2) return kb;  // one chain: the unsplit grid fills the GPU
+  const int64_t want = std::min(chunks, cdiv(target, std::max<int64_t>(t1_blocks, 1)));
+  const int64_t split = cdiv(chunks, cdiv(chunks, want));
+  return std::min(kb, cdiv(chunks, split) * (kKChunk / 64));
+}
 // A chunk of at most this many (token, slot) entries is permuted by one kernel of one block (count, scan and
 // in-order placement; src/cuda/permute.cu), larger ones by three kernels over many blocks. (Its placement is one
 // warp's serial walk, 32 steps at 1024 entries: from kMidPermAbove entries 32 warps place instead, perm_mid.)

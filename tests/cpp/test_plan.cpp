@@ -148,15 +148,17 @@ void check_plan(const ProblemShape& s, std::mt19937_64& rng) {
   EXPECT_EQ(p.gemms_beside_lora_shrinks, p.entry_tiles && p.shape.has_lora &&
                                          p.gemm_config == static_cast<int>(GemmTile::SplitKDecode));
   if (p.lora_shrink1_permutes) EXPECT_GE(p.lora_shrink1_threads, 32);
-  struct SplitCase { int split; int64_t m_tiles, n_tiles, k_pad; };
-  for (const SplitCase& c : {SplitCase{p.split1, p.split_m_tiles, p.n1_tiles, p.k1_pad},
-                             SplitCase{p.split2, p.split_m_tiles, p.n2_tiles, p.k2_pad}}) {
+  struct SplitCase { int split; int64_t m_tiles, n_tiles, k_pad; int chunk_kb; };
+  for (const SplitCase& c : {SplitCase{p.split1, p.split_m_tiles, p.n1_tiles, p.k1_pad, p.chunk1_kb},
+                             SplitCase{p.split2, p.split_m_tiles, p.n2_tiles, p.k2_pad, p.chunk2_kb}}) {
+    // A chunk is whole chunks of kKChunk or the whole K (decode_chunk_kb).
+    EXPECT_TRUE(c.chunk_kb % (kKChunk / 64) == 0 || c.chunk_kb == c.k_pad / 64) << c.chunk_kb;
     EXPECT_GE(c.split, 1);
     if (c.split == 1) continue;
     EXPECT_TRUE(g.weights_as_a);
     EXPECT_FALSE(g.wgmma);
     EXPECT_EQ(p.perm_blocks, 1);
-    const int64_t chunks = (c.k_pad + kKChunk - 1) / kKChunk, per = (chunks + c.split - 1) / c.split;
+    const int64_t chunks = (c.k_pad / 64 + c.chunk_kb - 1) / c.chunk_kb, per = (chunks + c.split - 1) / c.split;
     EXPECT_LE(c.split, chunks);
     EXPECT_LT((c.split - 1) * per, chunks) << "an empty split";
     // Only grids below the target are split, and towards at most twice the target.
@@ -378,6 +380,39 @@ TEST(Plan, OtherDevicesKeepTheInvariants) {
   s.device = DeviceDesc{};
   const MoePlan h200 = make_plan(s);
   EXPECT_LE(small.split1, h200.split1);
+}
+
+// The canonical K order of each GEMM (decode_chunk_kb): the K range a block of the T = 1 decode grid takes on the
+// reference device, so decode there splits exactly into the chunks; the same at every T (batch invariance), on every
+// device and tile. gpt_oss_120b's GEMMs (225 and 115 blocks at T = 1, split 3) and mixtral_8x7b's take longer chunks.
+TEST(Plan, KChunksAreTheDecodeSplits) {
+  struct M { int64_t H, I, E_loc, E_total, k; int c1, c2; };
+  const M models[] = {{2880, 2880, 128, 128, 4, 16, 16},  // gpt_oss_120b: 45 k-blocks in 16, 16, 13
+                      {2048, 768, 128, 128, 8, 8, 8},    // qwen3_30b_a3b
+                      {2048, 192, 128, 128, 8, 8, 3},    // qwen3_30b_a3b_tp4 (K = 192: one chunk)
+                      {7168, 2048, 32, 256, 8, 8, 8},    // deepseek_v3_ep8
+                      {4096, 14336, 8, 8, 2, 32, 32},    // mixtral_8x7b: 2 and 7 chunks
+                      {3584, 384, 384, 384, 8, 8, 6}};   // kimi_k3_tp8
+  for (const M& m : models) {
+    for (const bool wgmma : {false, true})
+      for (const int64_t T : {int64_t(1), int64_t(2), int64_t(64), int64_t(1024), int64_t(16384)}) {
+        ProblemShape s;
+        s.T = T; s.H = m.H; s.I = m.I; s.E_loc = m.E_loc; s.E_total = m.E_total; s.k = m.k;
+        s.device.wgmma = wgmma;
+        s.device.sm_count = wgmma ? 132 : 78;
+        const MoePlan p = make_plan(s);
+        EXPECT_EQ(p.chunk1_kb, m.c1) << m.H << " " << m.I << " T=" << T;
+        EXPECT_EQ(p.chunk2_kb, m.c2) << m.H << " " << m.I << " T=" << T;
+      }
+    ProblemShape s;
+    s.T = 1; s.H = m.H; s.I = m.I; s.E_loc = m.E_loc; s.E_total = m.E_total; s.k = m.k;
+    const MoePlan p = make_plan(s);
+    EXPECT_EQ(p.split1, (p.k1_pad / 64 + p.chunk1_kb - 1) / p.chunk1_kb) << m.H << " " << m.I;
+    EXPECT_EQ(p.split2, (p.k2_pad / 64 + p.chunk2_kb - 1) / p.chunk2_kb) << m.H << " " << m.I;
+  }
+  EXPECT_EQ(decode_chunk_kb(2880, 600), 45);  // a grid that fills the reference GPU unsplit: one chain
+  EXPECT_EQ(decode_chunk_kb(2880, 1), 8);     // the fewest blocks: chunks of kKChunk
+  EXPECT_EQ(decode_chunk_kb(2880, 176), 16);  // three blocks of a chunk each fill 528
 }
 
 // The WS sub-tiles on the shapes measured (bench/NOTES.md): kimi_k3_tp8's GEMM2 (K = 384) at T = 4096 takes four n

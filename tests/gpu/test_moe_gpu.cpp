@@ -238,15 +238,17 @@ TEST(GpuBatchInvariance, SubBatchesEqualFullBatch) {
   // (550 rows an expert, one chunk: the 64-row tile; both a wgmma tile on an H200; plan.cpp's thresholds) against
   // sub-batches of 1 and 4 tokens (the 8-row tile, split-K), and the full batch again with every tile forced
   // (MoeArgs::gemm_tile): mma.sync and wgmma, tokens as A or B. Modes 0-3: NVFP4 A16 / A4 with a shared expert;
-  // mode 4: bf16 weights.
+  // mode 4: bf16 weights; mode 5: gpt_oss_120b's experts (600 tokens over 32: 75 rows an expert), whose GEMMs sum K
+  // in three chunks of 1024, 1024 and 832 (plan.h decode_chunk_kb) and whose last n tiles leave a warpgroup of the
+  // warp-specialised tile without rows.
   const bool wgmma = cuda_backend::wgmma_supported_on(0);
   std::printf("STAT batch invariance: wgmma tile %s\n", wgmma ? "on this device (compared)" : "not on this device");
-  for (int mode = 0; mode < 5; ++mode) {
+  for (int mode = 0; mode < 6; ++mode) {
     Case c;
-    c.shape = model("kimi_k3_tp8");
-    c.E_loc = c.E_total = mode < 2 ? 32 : 16;
-    c.T = mode < 2 ? 300 : 1100;
-    c.mode = mode % 2 ? ActMode::A4 : ActMode::A16;
+    c.shape = model(mode == 5 ? "gpt_oss_120b" : "kimi_k3_tp8");
+    c.E_loc = c.E_total = mode < 2 || mode == 5 ? 32 : 16;
+    c.T = mode < 2 ? 300 : mode == 5 ? 600 : 1100;
+    c.mode = mode % 2 && mode < 4 ? ActMode::A4 : ActMode::A16;
     c.format = mode == 4 ? WeightFormat::BF16 : WeightFormat::NVFP4;
     c.shared = mode < 4;
     c.shared_I = 384;
@@ -258,9 +260,13 @@ TEST(GpuBatchInvariance, SubBatchesEqualFullBatch) {
     ps.device.wgmma = wgmma;
     // On a wgmma device the NVFP4 batches take the 128-token warp-specialised tile (75 and 550 rows an expert: from
     // kWsRows); bf16 weights the 64-token wgmma tile.
-    const int wgmma_tile = mode < 4 ? 5 : 3;
-    EXPECT_EQ(make_plan(ps).gemm_config, wgmma ? wgmma_tile : (mode < 2 ? 1 : 2))
+    const int wgmma_tile = mode == 4 ? 3 : 5;
+    EXPECT_EQ(make_plan(ps).gemm_config, wgmma ? wgmma_tile : (mode < 2 || mode == 5 ? 1 : 2))
         << "the full batch's tile (mode " << mode << ")";
+    if (mode == 5) {
+      EXPECT_EQ(make_plan(ps).chunk1_kb, 16);
+      EXPECT_EQ(make_plan(ps).chunk2_kb, 16);
+    }
     for (int tile = 0; tile < kNumGemmConfigs; ++tile) {
       if (kGemmConfigs[tile].wgmma && !wgmma) continue;
       Case ct = c;

@@ -8,21 +8,21 @@
 
 namespace fp4moe::cuda_backend {
 
-// The canonical K order of every GEMM here (batch invariance, SPEC §4): K is cut into chunks of
-// kKChunk (plan.h); each chunk is one chain of m16n8k16 steps k = 0, 16, 32, ... from a zero accumulator, and
-// an output is the fp32 sum of its chunk sums in chunk order. A tile may take a range of chunks
-// (split-K over blocks, split_k.cuh): the chunk sums are then added in the same order by the last block.
-constexpr int kChunkBlocks = static_cast<int>(kKChunk / 64);
+// The canonical K order of every GEMM here (batch invariance, SPEC §4): K is cut into chunks of g.chunk_kb k-blocks
+// (kKChunk, or the whole K: plan.h chain_blocks, a function of the layer's shape alone); each chunk is one chain of
+// m16n8k16 steps k = 0, 16, 32, ... from a zero accumulator, and an output is the fp32 sum of its chunk sums in chunk
+// order. A tile may take a range of chunks (split-K over blocks, split_k.cuh): the chunk sums are then added in the
+// same order by the last block.
 
-// The range of k-blocks [begin, end) of split z of `splits`, in whole chunks; KB = k-blocks of K.
+// The range of k-blocks [begin, end) of split z of `splits`, in whole chunks of cb; KB = k-blocks of K.
 struct KRange {
   int begin, end;
 };
-__device__ __forceinline__ KRange k_range(int KB, int z, int splits) {
-  const int chunks = (KB + kChunkBlocks - 1) / kChunkBlocks;
+__device__ __forceinline__ KRange k_range(int KB, int z, int splits, int cb) {
+  const int chunks = (KB + cb - 1) / cb;
   const int per = (chunks + splits - 1) / splits;
-  const int b = min(KB, z * per * kChunkBlocks);
-  return KRange{b, min(KB, b + per * kChunkBlocks)};
+  const int b = min(KB, z * per * cb);
+  return KRange{b, min(KB, b + per * cb)};
 }
 
 // A finished chunk's chain added to the running sums in chunk order (the first chunk starts them).

@@ -22,7 +22,7 @@ __global__ void __launch_bounds__(Cfg::THREADS) tokens_as_a_gemm_kernel(GemmProb
   __shared__ dev::LoraRowRef s_lora_rows[Cfg::BM];
   __shared__ uint32_t s_lora_t0[Cfg::BM][8];
   TokensAsAMainloop<Cfg> ml;
-  ml.run(smem, ld, static_cast<int>(g.B.Kp / Cfg::BK), [&] {
+  ml.run(smem, ld, static_cast<int>(g.B.Kp / Cfg::BK), g.chunk_kb, [&] {
     if (ep.lora.table) lora_lookup_rows<Cfg, Epi, Act>(g, ep, tr, n0, s_lora_rows, s_lora_t0);
   });
   tile_epilogue<Cfg, Epi, Act>(ep, g, ml, tr, n0, s_lora_rows, s_lora_t0);

@@ -80,14 +80,15 @@ __device__ __forceinline__ void weights_as_a_tile(const GemmProblem& g, const ty
 #pragma unroll
     for (int q = 0; q < 4; ++q) acc[a][q] = 0.f;
 
-  for (int kc = kr.begin; kc < kr.end; kc += kChunkBlocks) {  // one K chunk: one chain per output
+  const int CB = g.chunk_kb;
+  for (int kc = kr.begin; kc < kr.end; kc += CB) {  // one K chunk: one chain per output
 #pragma unroll
     for (int a = 0; a < ACCS; ++a)
 #pragma unroll
       for (int q = 0; q < 4; ++q) part[a][q] = 0.f;
-    const int kc_end = min(kc + kChunkBlocks, kr.end);
+    const int kc_end = min(kc + CB, kr.end);
     mainloop.chunk(part, smem, pipe, kc, kc_end, groups);
-    if (g.split > 1) split.store(kc / kChunkBlocks, part);
+    if (g.split > 1) split.store(kc / CB, part);
     else if constexpr (Cfg::WGMMA) add_chunk_shared<Cfg::THREADS>(chunk_sums, part, kc == kr.begin);
     else add_chunk(acc, part, kc == 0);
   }
@@ -143,7 +144,7 @@ __global__ void __launch_bounds__(Cfg::BLOCK_THREADS, kWeightsAsAMinBlocks<Cfg>)
   }
   TileRows tr;
   if (!resolve_tile<Cfg::BM>(g, tr, m)) return;
-  const KRange kr = k_range(KB, z, g.split);
+  const KRange kr = k_range(KB, z, g.split, g.chunk_kb);
   const int nb = n * Cfg::BN;
   TilePipeline<Cfg> pipe(smem, g, tr, nb, kr.begin, kr.end - kr.begin);
   weights_as_a_tile<Cfg, Epi, Act>(g, ep, smem, tr, nb, kr, tile_lin, pipe);

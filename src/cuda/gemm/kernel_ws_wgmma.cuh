@@ -52,7 +52,7 @@ __global__ void __launch_bounds__(Cfg::BLOCK_THREADS, 1) ws_wgmma_gemm_kernel(Ge
   TileRows tr;
   int nb;  // the first weight row of the block's first n tile
   if (!block_tile<Cfg::BM>(g, tr, nb, Cfg::BN * g.ws_sub)) return;
-  const int KB = static_cast<int>(g.B.Kp / Cfg::BK);
+  const int KB = static_cast<int>(g.B.Kp / Cfg::BK), CB = g.chunk_kb;
   const int subs = min(g.ws_sub, static_cast<int>((g.B.N - nb + Cfg::BN - 1) / Cfg::BN));  // n tiles with rows
   WsRing<Cfg> ring(smem);
 
@@ -75,20 +75,22 @@ __global__ void __launch_bounds__(Cfg::BLOCK_THREADS, 1) ws_wgmma_gemm_kernel(Ge
   Math math(ring);
   for (int u = 0; u < subs; ++u) {
     const int n0 = nb + u * Cfg::BN;
+    const bool idle = n0 + (static_cast<int>(threadIdx.x) >> 7) * 64 * RG >= g.B.N;  // this warpgroup's rows past N
     // The tile's mainloop over NG groups of 8 tokens, its token groups rounded up as with_tile_tokens allows (the
     // wgmma's N), so that an expert's last, short m tile multiplies few columns; the sums of those groups.
     with_tile_tokens<GROUPS>(groups, [&](auto ng) {
       constexpr int NG = decltype(ng)::value;
       float part[RG][NG][4];
-      for (int kc = 0; kc < KB; kc += kChunkBlocks) {  // one K chunk: one chain per output
+      for (int kc = 0; kc < KB; kc += CB) {  // one K chunk: one chain per output
 #pragma unroll
         for (int r = 0; r < RG; ++r)
 #pragma unroll
           for (int i = 0; i < NG; ++i)
 #pragma unroll
             for (int q = 0; q < 4; ++q) part[r][i][q] = 0.f;
-        math.template chunk<NG>(part, smem, ring, kc, min(kc + kChunkBlocks, KB));
-        if (tm && kc + kChunkBlocks >= KB) {
+        math.template chunk<NG>(part, smem, ring, kc, min(kc + CB, KB), idle);
+        if (idle) {  // its sums are never read for a stored column
+        } else if (tm && kc + CB >= KB) {
           Epilogue::store_token_major(sums_base, part, kc == 0);
         } else {
 #pragma unroll

@@ -21,16 +21,16 @@ template <class Cfg> struct TokensAsAMainloop {
 
   // after_issue() runs once the first stages' copies are issued (work to overlap with them, e.g. the LoRA lookups).
   template <class AfterIssue>
-  __device__ __forceinline__ void run(uint8_t* smem, TileLoader<C>& ld, int KB, AfterIssue&& after_issue) {
+  __device__ __forceinline__ void run(uint8_t* smem, TileLoader<C>& ld, int KB, int CB, AfterIssue&& after_issue) {
     StagePipe<C> pipe(smem, ld, KB);
     after_issue();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int wm = warp / C::WARPS_N, wn = warp % C::WARPS_N;
     const int g = lane >> 2, t = lane & 3;
 
-    for (int kb = 0; kb < KB; ++kb) {
+    for (int kb = 0, kin = 0; kb < KB; ++kb) {  // kin: kb's place in its chunk
       const uint32_t sstage = pipe.next(ld);  // A: ldmatrix's shared-space address
-      if (kb % kChunkBlocks == 0) {
+      if (kin == 0) {
 #pragma unroll
         for (int i = 0; i < C::MT; ++i)
 #pragma unroll
@@ -78,9 +78,10 @@ template <class Cfg> struct TokensAsAMainloop {
 #pragma unroll
           for (int nt = 0; nt < C::NT; ++nt) dev::mma_bf16_16816(part[mt][nt], afrag[mt], bfrag[nt][s]);
       }
-      if (kb % kChunkBlocks == kChunkBlocks - 1 || kb == KB - 1) {  // chunk done: add it in chunk order
+      if (++kin == CB || kb == KB - 1) {  // chunk done: add it in chunk order
 #pragma unroll
-        for (int i = 0; i < C::MT; ++i) add_chunk(acc[i], part[i], kb < kChunkBlocks);
+        for (int i = 0; i < C::MT; ++i) add_chunk(acc[i], part[i], kb < CB);
+        kin = 0;
       }
     }
     dev::cp_async_wait<0>();
@@ -116,7 +117,7 @@ template <class Cfg> struct WeightsAsAMmaSync {
   template <class Pipe>
   __device__ __forceinline__ void chunk(float (&part)[ACCS][4], const uint8_t* smem, Pipe& pipe, int kb_begin,
                                         int kb_end, int groups) {
-    static_assert(kChunkBlocks % Pipe::kPer == 0, "a unit never spans two chunks (only a range's last one is short)");
+    static_assert(kKChunk / 64 % Pipe::kPer == 0, "a unit never spans two chunks (only a range's last one is short)");
     for (int kb = kb_begin; kb < kb_end; kb += Pipe::kPer) {
       const bool both = kb + 1 < kb_end;
       const uint32_t sunit = pipe.next(both);

@@ -40,11 +40,21 @@ template <class Cfg> struct WsWgmmaMath {
 
   // part[r] += the products of k-blocks [kb_begin, kb_end) (a chunk's chain: part is zero at the call) for the
   // stage's first 8 * NG token rows (the wgmma's N; rows past the tile are zero-filled, their outputs never stored).
+  // idle (warpgroup-uniform): every weight row of the warpgroup is past N (a layer's last n tile), so it only
+  // waits for each stage and hands it back, leaving the SM to the other warpgroup.
   template <int NG>
   __device__ __forceinline__ void chunk(float (&part)[RG][NG][4], const uint8_t* smem, const Ring& ring,
-                                        int kb_begin, int kb_end) {
+                                        int kb_begin, int kb_end, bool idle) {
     static_assert(NG >= 1 && NG <= GROUPS, "the stage's token rows");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    if (idle) {
+      for (int kb = kb_begin; kb < kb_end; ++kb) {
+        const int s = rd.s;
+        ring.wait_full(rd);
+        ring.release(s);
+      }
+      return;
+    }
     uint32_t wa[2][4][4];
     // One unit: row group r of the stage at offset off (from the ring's base), decoded into w.
     auto unit = [&](uint32_t (&w)[4][4], uint32_t off, int r) {
@@ -100,7 +110,7 @@ template <class Cfg> struct WsWgmmaMath {
 #pragma unroll
     for (int r = 0; r < RG; ++r) dev::wgmma_fence_acc(part[r]);
 #else
-    (void)part, (void)smem, (void)ring, (void)kb_begin, (void)kb_end;
+    (void)part, (void)smem, (void)ring, (void)kb_begin, (void)kb_end, (void)idle;
     __trap();  // the plan picks this tile on sm_90a devices only (ProblemShape::wgmma)
 #endif
   }
