@@ -218,8 +218,8 @@ struct GemmProblem {
   // between calls — the one-block permutation zeroes them, or the routing under entry tiles; the last block of a tile
   // resets its own).
   int split = 1;
-  // k-blocks (of 64) a K chunk: the canonical K order of this GEMM (plan.h chain_blocks, MoePlan::chunk1_kb).
-  int chunk_kb = 8;
+  // k-blocks (of 64) a K chunk: the canonical K order of this GEMM (plan.h decode_chunk_kb, MoePlan::chunk1_kb).
+  int chunk_kb = static_cast<int>(kKChunk / 64);
   float* partials = nullptr;
   int32_t* counters = nullptr;
   // Weights-as-A grids of one band (plan.h MoePlan::gemm_m_last; the launch keeps it to grids it fits): blocks

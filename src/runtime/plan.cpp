@@ -14,7 +14,6 @@ namespace {
 
 [[noreturn]] void unsupported(const char* arg, const std::string& what) { throw Error(ErrorCode::Unsupported, arg, what); }
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
 
 // The m tiles of bm rows that T tokens fill in expectation under uniform routing: a token's k experts are distinct,
@@ -258,7 +257,7 @@ MoePlan make_plan(const ProblemShape& shape) {
     const int64_t target = split_target_blocks(s.device);
     if (!c.weights_as_a || c.wgmma || p.perm_blocks != 1 || work == 0 || work >= target || chunks < 2) return 1;
     const int64_t want = std::min(chunks, ceil_div(2 * target, work));
-    const int64_t split = ceil_div(chunks, ceil_div(chunks, want));
+    const int64_t split = whole_chunk_split(chunks, want);
     const int64_t rows_per_warp = c.bn / c.warps_n;  // accumulators: (bm / 8) token groups x (rows / 16) x 4
     partial_floats = std::max(partial_floats, blocks * chunks * c.threads() * (c.bm / 8) * (rows_per_warp / 16) * 4);
     counters = std::max(counters, blocks);

@@ -220,17 +220,18 @@ constexpr int64_t kMaxLoraRank = 64;              // an adapter's r (SPEC §5)
 // many (plan.cpp), in whole chunks.
 constexpr int64_t kKChunk = 512;
 constexpr int64_t split_target_blocks(const DeviceDesc& d) { return int64_t(4) * d.sm_count; }
+constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+// Splits of `chunks` chunks towards `want`, each split whole chunks and none empty.
+constexpr int64_t whole_chunk_split(int64_t chunks, int64_t want) { return ceil_div(chunks, ceil_div(chunks, want)); }
 // The k-blocks (of 64) of one K chunk of a GEMM of k_pad (K padded to 64) whose decode grid at T = 1 has t1_blocks
 // blocks (the last chunk may be short). Measured 2026-12-07 (bench/NOTES.md): towards the target rather than twice
 // it, gpt_oss_120b T = 4096 0.93 of chunks of 512 against 0.96, mixtral_8x7b 0.88-0.96; T = 1 1.04 against 0.98.
 constexpr int64_t decode_chunk_kb(int64_t k_pad, int64_t t1_blocks) {
-  auto cdiv = [](int64_t x, int64_t y) { return (x + y - 1) / y; };
-  const int64_t kb = k_pad / 64 > 0 ? k_pad / 64 : 1, chunks = cdiv(k_pad, kKChunk);
+  const int64_t kb = k_pad / 64 > 0 ? k_pad / 64 : 1, chunks = ceil_div(k_pad, kKChunk);
   const int64_t target = split_target_blocks(DeviceDesc{});
   if (t1_blocks >= target || chunks < 2) return kb;  // one chain: the unsplit grid fills the GPU
-  const int64_t want = std::min(chunks, cdiv(target, std::max<int64_t>(t1_blocks, 1)));
-  const int64_t split = cdiv(chunks, cdiv(chunks, want));
-  return std::min(kb, cdiv(chunks, split) * (kKChunk / 64));
+  const int64_t want = std::min(chunks, ceil_div(target, std::max<int64_t>(t1_blocks, 1)));
+  return std::min(kb, ceil_div(chunks, whole_chunk_split(chunks, want)) * (kKChunk / 64));
 }
 // A chunk of at most this many (token, slot) entries is permuted by one kernel of one block (count, scan and
 // in-order placement; src/cuda/permute.cu), larger ones by three kernels over many blocks. (Its placement is one

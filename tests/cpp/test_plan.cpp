@@ -412,7 +412,7 @@ TEST(Plan, KChunksAreTheDecodeSplits) {
   }
   EXPECT_EQ(decode_chunk_kb(2880, 600), 45);  // a grid that fills the reference GPU unsplit: one chain
   EXPECT_EQ(decode_chunk_kb(2880, 1), 8);     // the fewest blocks: chunks of kKChunk
-  EXPECT_EQ(decode_chunk_kb(2880, 176), 16);  // three blocks of a chunk each fill 528
+  EXPECT_EQ(decode_chunk_kb(2880, 176), 16);  // 176 blocks: three splits reach the 528 of the target
 }
 
 // The WS sub-tiles on the shapes measured (bench/NOTES.md): kimi_k3_tp8's GEMM2 (K = 384) at T = 4096 takes four n

@@ -261,11 +261,12 @@ TEST(GpuBatchInvariance, SubBatchesEqualFullBatch) {
     // On a wgmma device the NVFP4 batches take the 128-token warp-specialised tile (75 and 550 rows an expert: from
     // kWsRows); bf16 weights the 64-token wgmma tile.
     const int wgmma_tile = mode == 4 ? 3 : 5;
-    EXPECT_EQ(make_plan(ps).gemm_config, wgmma ? wgmma_tile : (mode < 2 || mode == 5 ? 1 : 2))
+    const MoePlan full = make_plan(ps);
+    EXPECT_EQ(full.gemm_config, wgmma ? wgmma_tile : (mode < 2 || mode == 5 ? 1 : 2))
         << "the full batch's tile (mode " << mode << ")";
     if (mode == 5) {
-      EXPECT_EQ(make_plan(ps).chunk1_kb, 16);
-      EXPECT_EQ(make_plan(ps).chunk2_kb, 16);
+      EXPECT_EQ(full.chunk1_kb, 16);
+      EXPECT_EQ(full.chunk2_kb, 16);
     }
     for (int tile = 0; tile < kNumGemmConfigs; ++tile) {
       if (kGemmConfigs[tile].wgmma && !wgmma) continue;

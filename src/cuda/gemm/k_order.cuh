@@ -9,10 +9,10 @@
 namespace fp4moe::cuda_backend {
 
 // The canonical K order of every GEMM here (batch invariance, SPEC §4): K is cut into chunks of g.chunk_kb k-blocks
-// (kKChunk, or the whole K: plan.h chain_blocks, a function of the layer's shape alone); each chunk is one chain of
-// m16n8k16 steps k = 0, 16, 32, ... from a zero accumulator, and an output is the fp32 sum of its chunk sums in chunk
-// order. A tile may take a range of chunks (split-K over blocks, split_k.cuh): the chunk sums are then added in the
-// same order by the last block.
+// (whole chunks of kKChunk, or the whole K: plan.h decode_chunk_kb, a function of the layer's shape alone); each
+// chunk is one chain of m16n8k16 steps k = 0, 16, 32, ... from a zero accumulator, and an output is the fp32 sum of
+// its chunk sums in chunk order. A tile may take a range of chunks (split-K over blocks, split_k.cuh): the chunk sums
+// are then added in the same order by the last block.
 
 // The range of k-blocks [begin, end) of split z of `splits`, in whole chunks of cb; KB = k-blocks of K.
 struct KRange {

@@ -89,8 +89,8 @@ __global__ void __launch_bounds__(Cfg::BLOCK_THREADS, 1) ws_wgmma_gemm_kernel(Ge
 #pragma unroll
             for (int q = 0; q < 4; ++q) part[r][i][q] = 0.f;
         math.template chunk<NG>(part, smem, ring, kc, min(kc + CB, KB), idle);
-        if (idle) {  // its sums are never read for a stored column
-        } else if (tm && kc + CB >= KB) {
+        if (idle) continue;  // no sums: its columns are never stored
+        if (tm && kc + CB >= KB) {
           Epilogue::store_token_major(sums_base, part, kc == 0);
         } else {
 #pragma unroll
