@@ -219,7 +219,7 @@ struct GemmProblem {
   // resets its own).
   int split = 1;
   // k-blocks (of 64) a K chunk: the canonical K order of this GEMM (plan.h decode_chunk_kb, MoePlan::chunk1_kb).
-  int chunk_kb = static_cast<int>(kKChunk / 64);
+  int chunk_kb = kKChunkKb;
   float* partials = nullptr;
   int32_t* counters = nullptr;
   // Weights-as-A grids of one band (plan.h MoePlan::gemm_m_last; the launch keeps it to grids it fits): blocks

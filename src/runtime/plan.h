@@ -73,6 +73,10 @@ struct GemmConfig {
   constexpr int threads() const { return 32 * warps_m * warps_n; }  // the math threads
 };
 
+// The K chunk of the canonical K order's chunks (decode_chunk_kb: whole multiples of it).
+constexpr int64_t kKChunk = 512;
+constexpr int kKChunkKb = static_cast<int>(kKChunk / 64);  // its k-blocks of 64
+
 struct MoePlan {
   ProblemShape shape;  // with defaults resolved (E_total, budget)
 
@@ -123,7 +127,7 @@ struct MoePlan {
   // kKChunk chunks (1 = no split). The bits do not depend on it (every tile sums the same chunk sums in order).
   int split1 = 1, split2 = 1, shared_split1 = 1, shared_split2 = 1;
   // k-blocks a K chunk of each GEMM (decode_chunk_kb: the canonical K order; GemmProblem::chunk_kb).
-  int chunk1_kb = 8, chunk2_kb = 8, shared_chunk1_kb = 8, shared_chunk2_kb = 8;
+  int chunk1_kb = kKChunkKb, chunk2_kb = kKChunkKb, shared_chunk1_kb = kKChunkKb, shared_chunk2_kb = kKChunkKb;
   // The routed m tiles split1 / split2 are chosen for: max_m_tiles, or under expert parallelism and on layers of
   // few experts those the chunk's rows fill in expectation under uniform routing (the grid stays max_m_tiles; the
   // blocks of empty tiles exit at once).
@@ -218,7 +222,6 @@ constexpr int64_t kMaxLoraRank = 64;              // an adapter's r (SPEC §5)
 // function of the layer's shape alone (never of T, the device, the tile or LoRA: batch invariance). The LoRA shrinks
 // keep chunks of kKChunk. Split-K splits a grid smaller than split_target_blocks (four per SM) towards twice that
 // many (plan.cpp), in whole chunks.
-constexpr int64_t kKChunk = 512;
 constexpr int64_t split_target_blocks(const DeviceDesc& d) { return int64_t(4) * d.sm_count; }
 constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // Splits of `chunks` chunks towards `want`, each split whole chunks and none empty.
@@ -231,7 +234,7 @@ constexpr int64_t decode_chunk_kb(int64_t k_pad, int64_t t1_blocks) {
   const int64_t target = split_target_blocks(DeviceDesc{});
   if (t1_blocks >= target || chunks < 2) return kb;  // one chain: the unsplit grid fills the GPU
   const int64_t want = std::min(chunks, ceil_div(target, std::max<int64_t>(t1_blocks, 1)));
-  return std::min(kb, ceil_div(chunks, whole_chunk_split(chunks, want)) * (kKChunk / 64));
+  return std::min(kb, ceil_div(chunks, whole_chunk_split(chunks, want)) * kKChunkKb);
 }
 // A chunk of at most this many (token, slot) entries is permuted by one kernel of one block (count, scan and
 // in-order placement; src/cuda/permute.cu), larger ones by three kernels over many blocks. (Its placement is one

@@ -14,12 +14,15 @@ namespace fp4moe::cuda_backend {
 // its chunk sums in chunk order. A tile may take a range of chunks (split-K over blocks, split_k.cuh): the chunk sums
 // are then added in the same order by the last block.
 
+// The K chunks of KB k-blocks in chunks of cb (the last may be short).
+__device__ __forceinline__ int k_chunks(int KB, int cb) { return (KB + cb - 1) / cb; }
+
 // The range of k-blocks [begin, end) of split z of `splits`, in whole chunks of cb; KB = k-blocks of K.
 struct KRange {
   int begin, end;
 };
 __device__ __forceinline__ KRange k_range(int KB, int z, int splits, int cb) {
-  const int chunks = (KB + cb - 1) / cb;
+  const int chunks = k_chunks(KB, cb);
   const int per = (chunks + splits - 1) / splits;
   const int b = min(KB, z * per * cb);
   return KRange{b, min(KB, b + per * cb)};

@@ -117,7 +117,7 @@ template <class Cfg> struct WeightsAsAMmaSync {
   template <class Pipe>
   __device__ __forceinline__ void chunk(float (&part)[ACCS][4], const uint8_t* smem, Pipe& pipe, int kb_begin,
                                         int kb_end, int groups) {
-    static_assert(kKChunk / 64 % Pipe::kPer == 0, "a unit never spans two chunks (only a range's last one is short)");
+    static_assert(kKChunkKb % Pipe::kPer == 0, "a unit never spans two chunks (only a range's last one is short)");
     for (int kb = kb_begin; kb < kb_end; kb += Pipe::kPer) {
       const bool both = kb + 1 < kb_end;
       const uint32_t sunit = pipe.next(both);

@@ -15,7 +15,7 @@ template <class Cfg, int ACCS> struct SplitK {
   int chunks;        // K chunks of the whole K
   int64_t tile_lin;  // this tile's index among the grid's (m, n) tiles: m * n_tiles + n
   __device__ __forceinline__ SplitK(const GemmProblem& g_, int KB, int64_t tile_lin_)
-      : g(g_), chunks((KB + g_.chunk_kb - 1) / g_.chunk_kb), tile_lin(tile_lin_) {}
+      : g(g_), chunks(k_chunks(KB, g_.chunk_kb)), tile_lin(tile_lin_) {}
 
   __device__ __forceinline__ float4* partial_at(int chunk) const {
     return reinterpret_cast<float4*>(g.partials) + ((tile_lin * chunks + chunk) * Cfg::THREADS + threadIdx.x) * ACCS;
